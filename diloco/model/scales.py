@@ -1,0 +1,93 @@
+"""Named model scales: the paper's Table 2 (35M…4B), 10B, and CPU toy scales.
+
+`diloco sizes` prints each with its exact parameter count (jax.eval_shape, no allocation).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    layers: int
+    d_model: int
+    heads: int
+    mlp_dim: int
+    max_seq_len: int = 2048
+    label: str = ""  # the scaling-laws paper's label for this shape (tied embeddings)
+
+
+# Layers/heads/MLP dim from [SD] Table 2; d_model = MLP/4 ([SL] Table 3 "QKV dimension").
+SCALES: dict[str, Scale] = {
+    # CPU toy scales (byte vocabulary, seconds per hundred steps on 2 cores).
+    "tiny": Scale(layers=3, d_model=32, heads=2, mlp_dim=128, max_seq_len=512, label="tiny"),
+    "toy": Scale(layers=6, d_model=64, heads=4, mlp_dim=256, max_seq_len=512, label="toy"),
+    "toy-l": Scale(layers=12, d_model=128, heads=4, mlp_dim=512, max_seq_len=1024, label="toy-l"),
+    # The paper's scales.
+    "35M": Scale(6, 512, 8, 2048, label="35M"),
+    "100M": Scale(9, 768, 12, 3072, label="90M"),
+    "200M": Scale(12, 1024, 16, 4096, label="180M"),
+    "300M": Scale(15, 1280, 20, 5120, label="335M"),
+    "500M": Scale(18, 1536, 24, 6144, label="550M"),
+    "1B": Scale(24, 2048, 32, 8192, label="1.3B"),
+    "4B": Scale(36, 3072, 48, 12288, label="4B"),
+    "10B": Scale(48, 4096, 64, 16384, label="10B"),
+}
+
+PAPER_VOCAB = 32_000
+
+
+def label_params(label: str) -> float | None:
+    """'1.3B' -> 1.3e9; toy labels -> None."""
+    mult = {"M": 1e6, "B": 1e9}
+    if label and label[-1] in mult:
+        return float(label[:-1]) * mult[label[-1]]
+    return None
+
+
+def formula_params(name: str, vocab_size: int = PAPER_VOCAB) -> int:
+    """12·L·d² + V·d: attention 4d², MLP 8d² per block, tied embedding V·d (norm scales excluded)."""
+    s = SCALES[name]
+    return 12 * s.layers * s.d_model**2 + vocab_size * s.d_model
+
+
+def param_count(name: str, vocab_size: int = PAPER_VOCAB) -> int:
+    """Exact parameter count of the Flax model at this scale (shape inference only)."""
+    import jax
+    import jax.numpy as jnp
+
+    from diloco.model.transformer import ModelConfig, Transformer
+
+    if name not in SCALES:
+        raise KeyError(f"unknown scale {name!r}; valid: {', '.join(SCALES)}")
+    cfg = ModelConfig.from_scale(name, vocab_size=vocab_size, max_seq_len=8)
+    shapes = jax.eval_shape(
+        lambda: Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    )
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(shapes))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="diloco sizes", description=__doc__)
+    ap.add_argument("--vocab_size", type=int, default=PAPER_VOCAB)
+    ap.add_argument("--json", action="store_true", help="one JSON list for machines")
+    args = ap.parse_args(argv)
+    rows = []
+    for name, s in SCALES.items():
+        n = param_count(name, args.vocab_size)
+        target = label_params(s.label)
+        rows.append(dict(scale=name, layers=s.layers, d_model=s.d_model, heads=s.heads,
+                         mlp_dim=s.mlp_dim, params=n, formula=formula_params(name, args.vocab_size),
+                         label=s.label, vs_label=(n / target - 1) if target else None))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'scale':>6} {'layers':>6} {'d_model':>7} {'heads':>5} {'mlp':>6} {'params':>15} {'label':>6} {'vs label':>8}")
+    for r in rows:
+        vs = f"{100 * r['vs_label']:+.1f}%" if r["vs_label"] is not None else ""
+        print(f"{r['scale']:>6} {r['layers']:>6} {r['d_model']:>7} {r['heads']:>5} {r['mlp_dim']:>6} "
+              f"{r['params']:>15,} {r['label']:>6} {vs:>8}")
+    print(f"(vocab {args.vocab_size}, tied input/output embeddings)")
+    return 0
