@@ -1,0 +1,211 @@
+"""Seeded, resumable int32 token batches over per-shard token caches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from diloco.data import specs
+from diloco.errors import ConfigError
+
+CACHE_VERSION = 1
+STATE_VERSION = 1
+
+
+def cache_dir() -> Path | None:
+    """$DILOCO_CACHE (default ~/.cache/diloco); 'none' disables the on-disk token cache."""
+    d = os.environ.get("DILOCO_CACHE", "~/.cache/diloco")
+    return None if d.lower() in ("", "none", "off", "0") else Path(os.path.expanduser(d))
+
+
+def _split_fingerprint(spec: specs.Spec, vocab: str, split: str, n: int) -> str:
+    """Changes whenever the source files, the vocabulary or the sharding change."""
+    from diloco.data import tasks
+
+    if spec.kind == "tfds":
+        stats = [Path(spec.root, "dataset_info.json").read_text()]
+    else:
+        files = spec.files if spec.kind == "jsonl" else specs.file_split(spec, split)
+        stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    blob = json.dumps([CACHE_VERSION, spec.kind, spec.root, stats, tasks.vocab_fingerprint(vocab), split, n])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class ShardStore:
+    """(tokens, offsets) per shard of one (data, vocab, split): memory → disk cache → seqio tokenization."""
+
+    def __init__(self, spec: specs.Spec, vocab: str, split: str):
+        self.spec, self.vocab, self.split = spec, vocab, split
+        self.n = specs.num_shards(spec, split)
+        self._fp = _split_fingerprint(spec, vocab, split, self.n)
+        self._lock = threading.Lock()
+        self._futures: dict[int, Future] = {}
+
+    def _path(self, i: int) -> Path | None:
+        d = cache_dir()
+        return d and d / "tokens" / f"{self.spec.kind}-{self.split}-{self._fp}" / f"{i:05d}-of-{self.n:05d}.npz"
+
+    def _load(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        path = self._path(i)
+        if path is not None and path.is_file():
+            with np.load(path) as z:
+                return z["tokens"], z["offsets"]
+        from diloco.data import tasks
+
+        tokens, offsets = tasks.tokenize_shard(self.spec, self.vocab, self.split, i, self.n)
+        if path is not None:  # atomic: write a temp file in the same directory, then rename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+                np.savez(f, tokens=tokens, offsets=offsets)
+            os.replace(f.name, path)
+        return tokens, offsets
+
+    def _future(self, i: int) -> Future:
+        with self._lock:
+            fut = self._futures.get(i)
+            if fut is None:
+                fut = self._futures[i] = Future()
+                threading.Thread(target=self._run, args=(i, fut), daemon=True).start()
+            return fut
+
+    def _run(self, i: int, fut: Future) -> None:
+        try:
+            fut.set_result(self._load(i))
+        except BaseException as e:  # surfaced in the caller's thread by fut.result()
+            fut.set_exception(e)
+
+    def get(self, i: int, prefetch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Shard i (blocking); optionally start preparing shard `prefetch` in the background."""
+        out = self._future(i).result()
+        with self._lock:  # keep at most the shard in use and the prefetched one in memory
+            for k in [k for k in self._futures if k not in (i, prefetch)]:
+                del self._futures[k]
+        if prefetch is not None and prefetch != i:
+            self._future(prefetch)
+        return out
+
+
+def _permuted(tokens: np.ndarray, offsets: np.ndarray, perm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Documents reordered by perm: (token stream, document start offsets incl. the end)."""
+    if perm is None:
+        return tokens, offsets
+    lens = np.diff(offsets)[perm]
+    new_off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    idx = np.arange(new_off[-1], dtype=np.int64) + np.repeat(offsets[:-1][perm] - new_off[:-1], lens)
+    return tokens[idx], new_off
+
+
+class TokenBatches:
+    """Infinite iterator of int32 (batch_size, seq_len) token batches; 0 is padding.
+
+    Order: each epoch visits the split's shards in a seeded permutation and each shard's documents in a
+    seeded permutation (shuffle=False: source order). pack=True concatenates EOS-terminated documents
+    and cuts seq_len rows; pack=False cuts every document into seq_len rows, padding the last one.
+    State is a position (epoch, shard, offset) in that stream, so resuming loads one shard.
+    """
+
+    def __init__(self, data: str, vocab: str, seq_len: int, batch_size: int, split: str = "train", seed: int = 0,
+                 data_dir: str | None = None, pack: bool = True, *, shuffle: bool = True):
+        specs.validate_data(data, vocab, data_dir, seq_len, split)
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError("batch_size", f"batch_size={batch_size!r} must be an int >= 1")
+        self.data, self.vocab, self.split, self.data_dir = data, vocab or "byte", split, data_dir
+        self.seq_len, self.batch_size, self.seed, self.pack, self.shuffle = seq_len, batch_size, int(seed), pack, shuffle
+        self.store = ShardStore(specs.parse_data(data, data_dir), self.vocab, split)
+        self.epoch, self.shard, self.pos, self.batches = 0, 0, 0, 0
+        self._cur: tuple | None = None  # (epoch, shard, stream, row_starts, row_lens)
+
+    def _rng(self, *key: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed & (2**63 - 1), *key])
+
+    def _shard_id(self, epoch: int, shard: int) -> int:
+        return int(self._rng(epoch).permutation(self.store.n)[shard]) if self.shuffle else shard
+
+    def _next_pos(self, epoch: int, shard: int) -> tuple[int, int]:
+        return (epoch, shard + 1) if shard + 1 < self.store.n else (epoch + 1, 0)
+
+    def _stream(self):
+        if self._cur is None or self._cur[:2] != (self.epoch, self.shard):
+            sid = self._shard_id(self.epoch, self.shard)
+            tokens, offsets = self.store.get(sid, prefetch=self._shard_id(*self._next_pos(self.epoch, self.shard)))
+            ndocs = len(offsets) - 1
+            perm = self._rng(self.epoch, sid, 1).permutation(ndocs) if self.shuffle else None
+            stream, offs = _permuted(tokens, offsets, perm)
+            starts = lens = None
+            if not self.pack:  # rows: every document cut into seq_len pieces
+                dl = np.diff(offs)
+                nrows = -(-dl // self.seq_len)
+                first = np.repeat(np.cumsum(nrows) - nrows, nrows)
+                k = np.arange(nrows.sum()) - first
+                starts = np.repeat(offs[:-1], nrows) + k * self.seq_len
+                lens = np.minimum(self.seq_len, np.repeat(dl, nrows) - k * self.seq_len)
+            self._cur = (self.epoch, self.shard, stream, starts, lens)
+        return self._cur[2:]
+
+    def _advance_shard(self, empty_run: int) -> int:
+        self.epoch, self.shard = self._next_pos(self.epoch, self.shard)
+        self.pos = 0
+        if empty_run > self.store.n:
+            raise ConfigError("data", f"the {self.split!r} split of {self.data!r} has no documents after filtering (e.g. the ~2% hash-chosen validation split of a tiny corpus)")
+        return empty_run + 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        L, B = self.seq_len, self.batch_size
+        out = np.zeros((B, L), np.int32)
+        empty_run = 0
+        if self.pack:
+            flat, filled = out.reshape(-1), 0
+            while filled < B * L:
+                stream = self._stream()[0]
+                take = min(B * L - filled, len(stream) - self.pos)
+                flat[filled:filled + take] = stream[self.pos:self.pos + take]
+                filled, self.pos = filled + take, self.pos + take
+                empty_run = 0 if take else empty_run
+                if self.pos >= len(stream):
+                    empty_run = self._advance_shard(empty_run)
+        else:
+            row = 0
+            while row < B:
+                stream, starts, lens = self._stream()
+                take = min(B - row, len(starts) - self.pos)
+                for r in range(take):
+                    s, n = starts[self.pos + r], lens[self.pos + r]
+                    out[row + r, :n] = stream[s:s + n]
+                row, self.pos = row + take, self.pos + take
+                empty_run = 0 if take else empty_run
+                if self.pos >= len(starts):
+                    empty_run = self._advance_shard(empty_run)
+        self.batches += 1
+        return out
+
+    def get_state(self) -> dict:
+        """JSON-serializable position of the next batch."""
+        return {"version": STATE_VERSION, "data": self.data, "vocab": self.vocab, "split": self.split, "seed": self.seed,
+                "pack": self.pack, "shuffle": self.shuffle, "seq_len": self.seq_len, "num_shards": self.store.n,
+                "epoch": self.epoch, "shard": self.shard, "pos": self.pos, "batches": self.batches}
+
+    def set_state(self, state: dict) -> None:
+        """Continue exactly where get_state() was taken (batch_size may differ; with pack=True so may seq_len)."""
+        mine = self.get_state()
+        keys = ["version", "data", "vocab", "split", "seed", "pack", "shuffle", "num_shards"] + ([] if self.pack else ["seq_len"])
+        bad = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
+        if bad:
+            raise ConfigError("data", f"data state does not match this iterator ({', '.join(f'{k}: saved {a!r} vs now {b!r}' for k, (a, b) in bad.items())}); resume with the same data config")
+        self.epoch, self.shard, self.pos, self.batches = (int(state[k]) for k in ("epoch", "shard", "pos", "batches"))
+        self._cur = None
+
+
+def eval_batches(data: str, vocab: str, seq_len: int, batch_size: int, num_batches: int, data_dir: str | None = None) -> list[np.ndarray]:
+    """The first num_batches packed batches of the validation split in source order (wrapping if short)."""
+    it = TokenBatches(data, vocab, seq_len, batch_size, split="validation", data_dir=data_dir, shuffle=False)
+    return [next(it) for _ in range(num_batches)]

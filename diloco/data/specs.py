@@ -1,0 +1,233 @@
+"""Data/vocab config strings → resolved sources, cheap validation and corpus info (no TensorFlow here)."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import glob
+import gzip
+import hashlib
+import json
+import os
+import platform
+import sysconfig
+from pathlib import Path
+
+from diloco.errors import ConfigError
+
+SPECS = "stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<jsonl glob> | jsonl:<glob> | text:<glob>"
+VOCABS = "byte | sentencepiece:<path to .model>"
+SPLITS = ("train", "validation")
+VAL_PER_MILLE = 20  # file/hash-split corpora: ~2% of documents go to "validation"
+C4_DEFAULT = ("c4", "en", "3.1.0")
+# stdlib corpus: skip third-party code and the (huge, machine-generated-heavy) test suites.
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+SHARD_BYTES = 1 << 20  # stdlib/text corpora: ~1 MiB of source text per shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A resolved data spec. kind: stdlib | tfds | jsonl | text."""
+
+    data: str
+    kind: str
+    files: tuple[str, ...] = ()  # stdlib/text/jsonl: sorted absolute paths (all splits)
+    root: str = ""  # stdlib: its directory; tfds: the prepared version directory
+
+    @property
+    def key(self) -> str:
+        """Stable short hash of what was resolved (used in task names and cache keys)."""
+        blob = json.dumps([self.kind, self.root, self.files])
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def _hash_per_mille(s: str) -> int:
+    return int(hashlib.md5(s.encode()).hexdigest()[:8], 16) % 1000
+
+
+def file_split(spec: Spec, split: str) -> list[str]:
+    """stdlib/text: files of one split; ~2% validation chosen by a hash of the path relative to the root."""
+    root = spec.root or os.path.commonpath([os.path.dirname(f) for f in spec.files])
+    out = []
+    for f in spec.files:
+        rel = os.path.relpath(f, root)
+        is_val = _hash_per_mille(rel) < VAL_PER_MILLE
+        if is_val == (split == "validation"):
+            out.append(f)
+    return out
+
+
+def num_shards(spec: Spec, split: str) -> int:
+    """How many shards (units of shuffling, caching and resume) a split has."""
+    if spec.kind == "tfds":
+        return len(tfds_split_info(spec.root)[split])
+    if spec.kind == "jsonl":
+        return len(spec.files)
+    files = file_split(spec, split)
+    size = sum(os.path.getsize(f) for f in files)
+    return max(1, min(len(files), -(-size // SHARD_BYTES)))
+
+
+def stdlib_files() -> tuple[str, tuple[str, ...]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS)
+        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return str(root), tuple(sorted(files))
+
+
+def _glob(field: str, pattern: str) -> tuple[str, ...]:
+    pattern = os.path.expanduser(pattern)
+    files = tuple(sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)))
+    if not files:
+        exists = "exists but is not a file" if os.path.exists(pattern) else "matches no file"
+        raise ConfigError(field, f"{pattern!r} {exists}; give a file path or glob such as 'jsonl:/data/*.jsonl.gz'")
+    return files
+
+
+def _tfds_root(name: str, path: str) -> str | None:
+    """A prepared TFDS version dir (holding dataset_info.json) for `name` at or under `path`."""
+    p = Path(os.path.expanduser(path))
+    if (p / "dataset_info.json").is_file():
+        return str(p)
+    if name == "c4" and (p.joinpath(*C4_DEFAULT) / "dataset_info.json").is_file():
+        return str(p.joinpath(*C4_DEFAULT))
+    found = sorted(p.glob(f"{name}/*/dataset_info.json")) + sorted(p.glob(f"{name}/*/*/dataset_info.json"))
+    return str(found[-1].parent) if found else None
+
+
+def tfds_split_info(root: str) -> dict[str, list[int]]:
+    """{split: shard lengths} read from dataset_info.json."""
+    info = json.loads(Path(root, "dataset_info.json").read_text())
+    return {s["name"]: [int(n) for n in s.get("shardLengths", [])] for s in info.get("splits", [])}
+
+
+def default_tfds_dir() -> str:
+    return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+
+
+def parse_data(data: str, data_dir: str | None = None) -> Spec:
+    """Resolve a data spec; raises ConfigError naming 'data' or 'data_dir'."""
+    if not isinstance(data, str) or not data.strip():
+        raise ConfigError("data", f"empty data spec {data!r}; valid: {SPECS}")
+    kind, _, arg = data.strip().partition(":")
+    if kind == "stdlib" and not arg:
+        root, files = stdlib_files()
+        if not files:
+            raise ConfigError("data", f"no *.py files under the standard library at {root}")
+        return Spec(data, "stdlib", files, root)
+    if kind in ("c4", "dolma") and not arg:
+        d = data_dir or default_tfds_dir()
+        root = _tfds_root(kind, d)
+        if root is None:
+            build = "tfds build c4/en --data_dir=" + d if kind == "c4" else "tfds build <your dolma builder> --data_dir=" + d
+            hint = f"prepare it with `{build}`" + (", or use 'dolma:<glob of .jsonl/.jsonl.gz files>'" if kind == "dolma" else "")
+            raise ConfigError("data_dir", f"no prepared TFDS '{kind}' dataset under {d!r} (looked for {kind}/<config>/<version>/dataset_info.json); {hint}")
+        return Spec(data, "tfds", (), root)
+    if kind == "c4":
+        root = _tfds_root("c4", arg)
+        if root is None:
+            raise ConfigError("data", f"{arg!r} is not a prepared TFDS directory (no dataset_info.json at it or at c4/en/3.1.0 under it); build one with `tfds build c4/en --data_dir=<dir>`")
+        return Spec(data, "tfds", (), root)
+    if kind in ("dolma", "jsonl") and arg:
+        return Spec(data, "jsonl", _glob("data", arg))
+    if kind == "text" and arg:
+        return Spec(data, "text", _glob("data", arg))
+    raise ConfigError("data", f"unknown data spec {data!r}; valid: {SPECS}")
+
+
+def parse_vocab(vocab: str) -> tuple[str, str]:
+    """('byte', '') or ('sentencepiece', path); raises ConfigError('vocab', …)."""
+    kind, _, arg = (vocab or "byte").partition(":")
+    if kind == "byte" and not arg:
+        return "byte", ""
+    if kind == "sentencepiece" and arg:
+        path = os.path.expanduser(arg)
+        if not os.path.isfile(path):
+            raise ConfigError("vocab", f"sentencepiece model {path!r} not found; give an existing .model file, e.g. 'sentencepiece:/path/to/sentencepiece.model'")
+        return "sentencepiece", os.path.abspath(path)
+    raise ConfigError("vocab", f"unknown vocab {vocab!r}; valid: {VOCABS}")
+
+
+def _first_line(path: str) -> bytes:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                return line
+    return b""
+
+
+def _check_utf8(path: str) -> None:
+    dec = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                dec.decode(chunk)
+        dec.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        raise ConfigError("data", f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it with `iconv -t utf-8` or exclude it from the glob") from None
+
+
+def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, split: str = "train") -> None:
+    """Cheap checks before anything is built; raises ConfigError(field, message)."""
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+        raise ConfigError("seq_len", f"seq_len={seq_len!r} must be an int >= 2")
+    parse_vocab(vocab)
+    spec = parse_data(data, data_dir)
+    if spec.kind == "tfds":
+        splits = tfds_split_info(spec.root)
+        if split not in splits:
+            raise ConfigError("data", f"split {split!r} not in TFDS dataset at {spec.root}; it has {sorted(splits)}")
+        if sum(splits[split]) == 0:
+            raise ConfigError("data", f"split {split!r} of the TFDS dataset at {spec.root} is empty")
+        return
+    if split not in SPLITS:
+        raise ConfigError("data", f"split {split!r} unknown for {spec.kind} data; valid: {SPLITS}")
+    if spec.kind == "jsonl":
+        nonempty = 0
+        for f in spec.files:
+            line = _first_line(f)
+            if not line:
+                continue
+            nonempty += 1
+            try:
+                doc = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError("data", f"{f}: first line is not JSON ({e}); jsonl files need one JSON object per line") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+                keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+                raise ConfigError("data", f"{f}: records need a string 'text' field (first record has {keys}); use text:<glob> for plain text files")
+        if not nonempty:
+            raise ConfigError("data", f"empty corpus: all {len(spec.files)} file(s) matched by {data!r} are empty")
+        return
+    if spec.kind == "text":
+        for f in spec.files:
+            _check_utf8(f)
+        if not any(os.path.getsize(f) for f in spec.files):
+            raise ConfigError("data", f"empty corpus: all {len(spec.files)} file(s) matched by {data!r} are empty")
+    if not any(os.path.getsize(f) for f in file_split(spec, split)):
+        raise ConfigError("data", f"the {split!r} split of {data!r} is empty (~{VAL_PER_MILLE / 10:g}% of files, by a hash of their path, go to validation); add more files")
+
+
+def corpus_info(data: str, data_dir: str | None = None) -> dict:
+    """Facts about the corpus for the run summary (no TensorFlow needed)."""
+    spec = parse_data(data, data_dir)
+    info: dict = {"data": data, "kind": spec.kind}
+    if spec.kind == "tfds":
+        meta = json.loads(Path(spec.root, "dataset_info.json").read_text())
+        info |= {"tfds_dir": spec.root, "tfds_name": meta.get("name"), "tfds_config": meta.get("configName"), "tfds_version": meta.get("version"),
+                 "examples": {s: sum(v) for s, v in tfds_split_info(spec.root).items()},
+                 "shards": {s: len(v) for s, v in tfds_split_info(spec.root).items()}}
+        return info
+    info |= {"files": len(spec.files), "bytes": sum(os.path.getsize(f) for f in spec.files)}
+    if spec.kind == "jsonl":
+        info["split_rule"] = f"validation = documents with farmhash(text) % 1000 < {VAL_PER_MILLE}"
+    else:
+        info |= {"split_rule": f"validation = files with md5(relative path) % 1000 < {VAL_PER_MILLE}",
+                 "validation_files": len(file_split(spec, "validation"))}
+    if spec.kind == "stdlib":
+        info |= {"python_version": platform.python_version(), "python_implementation": platform.python_implementation(),
+                 "stdlib_dir": spec.root, "excluded_dirs": sorted(STDLIB_SKIP_DIRS)}
+    return info

@@ -1,0 +1,121 @@
+"""seqio vocabularies, Tasks and per-shard tokenization (TensorFlow/seqio are imported lazily, here only)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from diloco.data import specs
+
+
+@functools.cache
+def _tf():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    tf.config.set_visible_devices([], "GPU")  # the data pipeline must never take accelerator memory from JAX
+    return tf
+
+
+@functools.cache
+def get_vocabulary(spec: str = "byte"):
+    """'byte' → seqio.ByteVocabulary (259 ids); 'sentencepiece:<path>' → seqio.SentencePieceVocabulary."""
+    kind, path = specs.parse_vocab(spec)
+    _tf()
+    import seqio
+
+    return seqio.ByteVocabulary() if kind == "byte" else seqio.SentencePieceVocabulary(path)
+
+
+def vocab_fingerprint(spec: str) -> str:
+    kind, path = specs.parse_vocab(spec)
+    if kind == "byte":
+        return "byte"
+    with open(path, "rb") as f:
+        return "sp-" + hashlib.sha256(f.read()).hexdigest()[:10]
+
+
+def _read_whole_file(path):
+    tf = _tf()
+    return tf.data.Dataset.from_tensors({"text": tf.io.read_file(path)})
+
+
+def _read_jsonl(path):
+    tf = _tf()
+
+    def parse(line):
+        try:
+            text = json.loads(line.numpy()).get("text")
+        except (ValueError, AttributeError):
+            text = None
+        return text if isinstance(text, str) else ""
+
+    gz = tf.where(tf.strings.regex_full_match(path, r".*\.gz"), "GZIP", "")
+    lines = tf.data.TextLineDataset(path, compression_type=gz)
+    lines = lines.filter(lambda s: tf.strings.length(tf.strings.strip(s)) > 0)
+    texts = lines.map(lambda s: tf.ensure_shape(tf.py_function(parse, [s], tf.string), []))
+    return texts.filter(lambda t: tf.strings.length(t) > 0).map(lambda t: {"text": t})
+
+
+def _hash_split_source(files: list[str]):
+    """A seqio.FileDataSource over JSONL files whose 'validation' split is ~2% of documents by farmhash(text)."""
+    tf = _tf()
+    import seqio
+
+    class HashSplitSource(seqio.FileDataSource):
+        def get_dataset(self, split="train", shuffle=True, seed=None, shard_info=None, **kw):
+            ds = super().get_dataset(split=split, shuffle=shuffle, seed=seed, shard_info=shard_info, **kw)
+            want_val = split == "validation"
+            return ds.filter(lambda x: (tf.strings.to_hash_bucket_fast(x["text"], 1000) < specs.VAL_PER_MILLE) == want_val)
+
+    return HashSplitSource(_read_jsonl, {s: files for s in specs.SPLITS}, cycle_length=1)
+
+
+def task_name(spec: specs.Spec, vocab: str) -> str:
+    v = vocab_fingerprint(vocab).replace("-", "_")
+    return f"diloco_stdlib_{v}" if spec.kind == "stdlib" else f"diloco_{spec.kind}_{spec.key}_{v}"
+
+
+def get_task(spec: specs.Spec, vocab: str):
+    """Register (once per process) and return the seqio Task for (data spec, vocab)."""
+    tf = _tf()
+    import seqio
+
+    name = task_name(spec, vocab)
+    if name in seqio.TaskRegistry.names():
+        return seqio.TaskRegistry.get(name)
+    if spec.kind == "tfds":
+        source = seqio.TfdsDataSource(tfds_data_dir=spec.root, read_only=os.environ.get("DILOCO_TFDS_DOWNLOAD") != "1")
+    elif spec.kind == "jsonl":
+        source = _hash_split_source(list(spec.files))
+    else:  # stdlib / text: one document per file
+        source = seqio.FileDataSource(_read_whole_file, {s: specs.file_split(spec, s) for s in specs.SPLITS}, cycle_length=1)
+    features = {"targets": seqio.Feature(get_vocabulary(vocab), add_eos=True, dtype=tf.int32)}
+    prep = [functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}), seqio.preprocessors.tokenize, seqio.preprocessors.append_eos]
+    return seqio.TaskRegistry.add(name, source=source, output_features=features, preprocessors=prep, shuffle_buffer_size=None)
+
+
+def tokenize_shard(spec: specs.Spec, vocab: str, split: str, index: int, num: int) -> tuple[np.ndarray, np.ndarray]:
+    """Documents of one shard, in source order, as (tokens, offsets): doc i = tokens[offsets[i]:offsets[i+1]] (EOS-terminated)."""
+    import seqio
+
+    task = get_task(spec, vocab)
+    ds = task.get_dataset(sequence_length=None, split=split, shuffle=False, shard_info=seqio.ShardInfo(index, num),
+                          num_epochs=1, trim_output_features=False, try_in_mem_cache=False)
+    ds = ds.map(lambda x: x["targets"]).ragged_batch(1024)
+    from tqdm import tqdm
+
+    chunks, lengths = [], []
+    desc = f"tokenizing {spec.data} {split} shard {index + 1}/{num}"
+    for rb in tqdm(ds, desc=desc, unit=" x1024 docs", delay=5, leave=False):
+        chunks.append(rb.flat_values.numpy())
+        lengths.append(rb.row_lengths().numpy())
+    vocab_size = get_vocabulary(vocab).vocab_size
+    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.int32
+    tokens = np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype)
+    lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    return tokens, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
