@@ -1,0 +1,151 @@
+"""Load an experiment spec (`experiments/<file>.py[:arg]` + `--config.key=value` overrides) and
+validate it before anything is compiled: every error names the field and what would be valid."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import ml_collections
+
+from diloco.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("dp", "diloco", "streaming")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_spec_path(spec: str) -> str:
+    """`experiments/toy.py:dp` relative to the cwd, else to the repo root (editable installs)."""
+    path, _, arg = spec.partition(":")
+    p = Path(path)
+    if not p.exists() and (REPO_ROOT / path).exists():
+        p = REPO_ROOT / path
+    if not p.exists():
+        raise ConfigError("config", f"spec file {path!r} not found (looked in {os.getcwd()} and {REPO_ROOT}); "
+                          "e.g. --config experiments/toy.py:streaming")
+    root = str(p.resolve().parent.parent)  # so `from experiments import base` works
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return f"{p}:{arg}" if arg else str(p)
+
+
+def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+    """Same semantics as ml_collections.config_flags: `path:arg`, then `--config.a.b=value`."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "experiment spec", flag_values=fv, lock_config=True)
+    for o in overrides:
+        if not o.startswith("--config."):
+            raise ConfigError(o.split("=")[0], "unknown flag; overrides look like --config.key=value")
+    try:
+        fv(["diloco", f"--config={resolve_spec_path(spec)}", *overrides])
+    except flags.Error as e:  # unknown key, bad type
+        msg = str(e)
+        field = next((o.split("=")[0][len("--config."):] for o in overrides
+                      if o.split("=")[0][len("--config."):] in msg), "config")
+        raise ConfigError(field, f"{msg.splitlines()[0]} (see experiments/base.py for every key)") from None
+    cfg = fv.config
+    validate(cfg)
+    return cfg
+
+
+def _base_keys() -> set[str]:
+    sys.path.insert(0, str(REPO_ROOT))
+    from experiments import base
+
+    return set(flatten(base.get_config()))
+
+
+def flatten(cfg, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _one_of(cfg, field: str, valid) -> None:
+    v = cfg
+    for part in field.split("."):
+        v = v[part]
+    if v not in valid:
+        raise ConfigError(field, f"{v!r} is not one of {tuple(valid)}")
+
+
+def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_devices: int | None = None) -> None:
+    """Raise ConfigError on the first bad field. Cheap: no compilation, no data reading."""
+    from diloco.model.scales import SCALES
+
+    unknown = sorted(set(flatten(cfg)) - _base_keys())
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown config key(s) {unknown}; valid keys are those of experiments/base.py")
+    _one_of(cfg, "method", METHODS)
+    _one_of(cfg, "scale", SCALES)
+    _one_of(cfg, "model.dtype", DTYPES)
+    _one_of(cfg, "dp_grad_dtype", DTYPES)
+    for f in ("seq_len", "batch_size", "steps", "replicas", "H", "log_every", "eval_every",
+              "checkpoint_every", "eval_batches", "keep_checkpoints"):
+        if int(cfg[f]) < 1:
+            raise ConfigError(f, f"{cfg[f]} must be ≥ 1")
+    if cfg.seq_len > SCALES[cfg.scale].max_seq_len:
+        raise ConfigError("seq_len", f"{cfg.seq_len} exceeds scale {cfg.scale!r}'s max_seq_len="
+                          f"{SCALES[cfg.scale].max_seq_len}; use seq_len ≤ {SCALES[cfg.scale].max_seq_len}")
+    if cfg.batch_size % cfg.replicas:
+        raise ConfigError("batch_size", f"global batch {cfg.batch_size} is not divisible by replicas={cfg.replicas}")
+    if not 0.0 <= cfg.alpha <= 1.0:
+        raise ConfigError("alpha", f"{cfg.alpha} must be in [0, 1]")
+    if cfg.outer.lr <= 0 or not 0 <= cfg.outer.momentum < 1:
+        raise ConfigError("outer", f"need outer.lr > 0 and 0 ≤ outer.momentum < 1 (got {cfg.outer.lr}, {cfg.outer.momentum})")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
+    _one_of(cfg, "faults.nan_policy", ("stop", "skip"))
+    if cfg.method != "dp":
+        from diloco.outer.codecs import make_codec
+        from diloco.outer.fragments import num_fragments, PATTERNS
+        from diloco.outer.schedule import make_schedule
+
+        _one_of(cfg, "pattern", PATTERNS)
+        if cfg.method == "diloco" and (cfg.fragments > 1 or cfg.layers_per_fragment or cfg.tau or cfg.replica_tau):
+            raise ConfigError("method", "diloco is P=1, tau=0; for fragments or overlap use method=streaming")
+        P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
+        make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
+        make_codec(cfg.codec, cfg.codec_block_size, cfg.codec_rounding, **_keep(cfg))
+    n_dev = num_devices
+    if n_dev is not None:
+        r_axis = replica_axis_size(cfg, n_dev)
+        per_dev = cfg.batch_size // cfg.replicas if cfg.method != "dp" else cfg.batch_size
+        data_axis = n_dev // r_axis
+        if per_dev % data_axis:
+            raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the {data_axis} "
+                              f"devices of the data axis ({n_dev} devices); use a multiple of {data_axis}")
+    if check_data:
+        from diloco.data import validate_data
+
+        validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len)
+
+
+def _keep(cfg) -> dict:
+    return {"keep_fraction": cfg.codec_keep_fraction} if cfg.codec in ("topk", "dropout", "dare") else {}
+
+
+def replica_axis_size(cfg, n_dev: int) -> int:
+    """Devices on the `replica` mesh axis: M when M divides the device count, else 1 (all replicas
+    live on each device, still a leading array axis). DP puts every device on `data`."""
+    if cfg.method == "dp":
+        return 1
+    want = cfg.mesh.replica_axis or cfg.replicas
+    if n_dev % want == 0 and cfg.replicas % want == 0:
+        return want
+    if cfg.mesh.replica_axis:
+        raise ConfigError("mesh.replica_axis", f"{want} must divide both the {n_dev} devices and replicas={cfg.replicas}")
+    return 1
+
+
+def to_json(cfg: ml_collections.ConfigDict) -> str:
+    return json.dumps(cfg.to_dict(), indent=1, sort_keys=True)

@@ -1,0 +1,117 @@
+"""Outer state and the three sync operations of (Streaming) DiLoCo, as pure functions.
+
+  send(p):    Δ_m,p = θ^g_p − θ_m,p on every replica → encode → exchanged over the `replica`
+              mesh axis as the encoded arrays (all-gather of the payload) → decoded and averaged in
+              FP32 on arrival → held in `pending[p]` until applied.
+  update(p):  one Nesterov-SGD step of fragment p's outer params with pending[p] (per-fragment
+              optax state: a non-synced fragment's momentum is never touched).
+  merge(p):   θ_m,p ← α·θ_m,p + (1−α)·θ^g_p on the replicas in `mask`.
+
+Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is
+replicated, and identical on every replica by construction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from diloco.outer import codecs
+from diloco.outer.fragments import Fragments
+
+OuterState = dict  # {"params": tree, "opt": [optax state per fragment], "pending": [(n_p,) f32]}
+
+
+def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
+    return optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSync:
+    frags: Fragments
+    codec: codecs.Codec
+    tx: optax.GradientTransformation
+    alpha: float
+    mesh: Mesh | None = None  # None: no collectives (single device, replicas on one array axis)
+
+    def init(self, params) -> OuterState:
+        vecs = [self.frags.flatten(params, p) for p in range(self.frags.P)]
+        return {"params": params, "opt": [self.tx.init(v) for v in vecs],
+                "pending": [jnp.zeros_like(v) for v in vecs]}
+
+    def bytes_per_replica(self, p: int) -> int:
+        return codecs.encoded_nbytes(self.codec, self.frags.sizes[p])
+
+    # -- send ------------------------------------------------------------------------------------
+    def send(self, params_R, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
+        """Average the encoded outer gradients of fragment p over the replicas with contrib > 0."""
+        g_n = self.frags.flatten(outer["params"], p)
+        delta_Rxn = g_n[None] - jax.vmap(lambda t: self.frags.flatten(t, p))(params_R)
+        keys_R = jax.random.split(key, delta_Rxn.shape[0])
+        avg_n = self._exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32))
+        pending = list(outer["pending"])
+        pending[p] = avg_n
+        return {**outer, "pending": pending}
+
+    def _exchange(self, delta_Rxn, keys_R, w_R):
+        codec, n = self.codec, delta_Rxn.shape[1]
+
+        def local(delta_rxn, keys_r, w_r, gather):
+            if codec.name == "none":  # plain fp32: a sum-reduction is the cheapest honest exchange
+                s = gather_sum(delta_rxn * w_r[:, None], w_r, gather)
+                return s
+            payload = jax.vmap(lambda x, k: codecs.encode(codec, x, k))(delta_rxn, keys_r)
+            payload = {k: gather(v) for k, v in payload.items()}  # the encoded bytes cross the axis
+            dec_Rxn = jax.vmap(lambda pl: codecs.decode(codec, pl, n))(payload)
+            w_R = gather(w_r)
+            return (dec_Rxn * w_R[:, None]).sum(0) / jnp.maximum(w_R.sum(), 1.0)
+
+        def gather_sum(x_rxn, w_r, gather):
+            if gather is _identity:
+                return x_rxn.sum(0) / jnp.maximum(w_r.sum(), 1.0)
+            return jax.lax.psum(x_rxn.sum(0), "replica") / jnp.maximum(jax.lax.psum(w_r.sum(), "replica"), 1.0)
+
+        if self.mesh is None or self.mesh.shape["replica"] == 1:
+            return local(delta_Rxn, keys_R, w_R, _identity)
+        gather = functools.partial(jax.lax.all_gather, axis_name="replica", tiled=True)
+        fn = jax.shard_map(functools.partial(local, gather=gather), mesh=self.mesh,
+                           in_specs=(P("replica"), P("replica"), P("replica")), out_specs=P(),
+                           check_vma=False)
+        return fn(delta_Rxn, keys_R, w_R)
+
+    # -- update and merge --------------------------------------------------------------------------
+    def update(self, outer: OuterState, p: int) -> OuterState:
+        g_n = self.frags.flatten(outer["params"], p)
+        upd_n, opt_p = self.tx.update(outer["pending"][p], outer["opt"][p], g_n)
+        opt = list(outer["opt"])
+        opt[p] = opt_p
+        return {**outer, "params": self.frags.unflatten(outer["params"], p, g_n + upd_n), "opt": opt}
+
+    def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array):
+        g_n = self.frags.flatten(outer["params"], p)
+
+        def one(theta, m):
+            local_n = self.frags.flatten(theta, p)
+            merged = self.alpha * local_n + (1.0 - self.alpha) * g_n
+            return self.frags.unflatten(theta, p, jnp.where(m, merged, local_n))
+
+        return jax.vmap(one)(params_R, mask_R)
+
+
+def _identity(x):
+    return x
+
+
+def params_sha256(tree) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()

@@ -1,0 +1,49 @@
+"""The shared base every experiment is composed from. Hyperparameters live only in get_config files."""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.method = "dp"                # dp | diloco | streaming
+    c.scale = "toy"                # a name from `diloco sizes`
+    c.data = "stdlib"              # stdlib | c4 | c4:<dir> | dolma | dolma:<glob> | jsonl:<glob> | text:<glob>
+    c.data_dir = ""                # TFDS data_dir for c4/dolma
+    c.vocab = "byte"               # byte | sentencepiece:<path>
+    c.seq_len = 128
+    c.batch_size = 16              # global, in sequences (each replica gets batch_size / replicas)
+    c.steps = 300
+    c.seed = 0
+    c.log_every = 10
+    c.eval_every = 100
+    c.eval_batches = 8
+    c.checkpoint_every = 100
+    c.keep_checkpoints = 2
+
+    # DiLoCo family (ignored by dp except `replicas` and `dp_grad_dtype` for bytes accounting).
+    c.replicas = 2                 # M
+    c.H = 30                       # inner steps between two syncs of one fragment
+    c.tau = 0                      # overlap: apply τ inner steps after send (0 ≤ τ < H)
+    c.replica_tau = ""             # heterogeneous workers: "τ_1,τ_2,…" (one per replica) overrides tau
+    c.alpha = 0.0                  # merge: θ_m ← α·θ_m + (1−α)·θ_global
+    c.fragments = 0                # explicit P (0: use layers_per_fragment)
+    c.layers_per_fragment = 0      # blocks per fragment (paper: 3); 0 with fragments=0 means P = 1
+    c.pattern = "strided"          # strided | sequential
+    c.embed_fragment = "first"     # where embeddings + final norm sync: first | last | own
+    c.codec = "none"               # none | bf16 | fp8_e4m3 | fp8_e5m2 | e3m0 | topk | dropout | dare
+    c.codec_block_size = 256
+    c.codec_rounding = "nearest"   # nearest | stochastic
+    c.codec_keep_fraction = 1.0    # for topk / dropout / dare
+    c.dp_grad_dtype = "bfloat16"   # what DP is counted as sending each step
+    c.freeze_non_syncing = False   # FedPart-style baseline: only the fragment next to sync trains
+
+    c.outer = ml_collections.ConfigDict(dict(lr=0.4, momentum=0.9, nesterov=True))
+    c.optimizer = ml_collections.ConfigDict(dict(
+        lr=3e-3, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.1, b1=0.9, b2=0.99, clip_norm=1.0))
+    c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan=False, z_loss=1e-4))
+    c.mesh = ml_collections.ConfigDict(dict(replica_axis=0))  # 0: auto (M if the devices allow, else 1)
+    c.downstream = ml_collections.ConfigDict(dict(tasks="", every=0, limit=0, data_dir=""))
+    c.faults = ml_collections.ConfigDict(dict(
+        miss_sync_replica=-1, miss_sync_step=0,           # replica m skips the send at that step
+        restart_replica=-1, restart_step=0,               # replica m restarts from the outer params
+        nan_policy="stop"))                               # stop | skip (skip the bad batch)
+    return c

@@ -1,0 +1,161 @@
+"""The outer machinery (fragments, send/update/merge) against a plain-Python reading of the contract.
+
+The inner update is replaced by "replica m subtracts c_m from every parameter", so the whole
+trajectory is affine and every value can be derived independently with scalar arithmetic.
+"""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diloco.outer import codecs
+from diloco.outer.fragments import make_fragments
+from diloco.outer.schedule import Schedule
+from diloco.outer.sync import OuterSync, outer_optimizer
+
+L = 3  # three "blocks" → P ∈ {1, 2, 3}
+
+
+def toy_params():
+    # Distinct initial values per element so that a mix-up of fragments shows.
+    return {"embed": jnp.array([1.0, 2.0]), "final_norm": {"scale": jnp.array([3.0])},
+            **{f"block_{i}": {"w": jnp.array([10.0 * (i + 1), 10.0 * (i + 1) + 1])} for i in range(L)}}
+
+
+def reference(P, tau, alpha, steps, H, cs, lr, mu, x0, frag_of):
+    """Contract, element by element, in float64 Python. x0: {name: list}; frag_of: name → p."""
+    M = len(cs)
+    theta = [{k: list(v) for k, v in x0.items()} for _ in range(M)]
+    glob = {k: list(v) for k, v in x0.items()}
+    mom = {k: [0.0] * len(v) for k, v in x0.items()}
+    pending = {}
+    s = Schedule(H=H, P=P, taus=(tau,) * M)
+    trace = []
+    for t in range(1, steps + 1):
+        for m in range(M):
+            for k in theta[m]:
+                theta[m][k] = [x - cs[m] for x in theta[m][k]]
+        for p in s.sends(t):
+            pending[p] = {k: [sum(glob[k][i] - theta[m][k][i] for m in range(M)) / M for i in range(len(glob[k]))]
+                          for k in glob if frag_of[k] == p}
+        for p in s.applies(t):
+            for k, d in pending.pop(p).items():
+                for i, g in enumerate(d):
+                    mom[k][i] = g + mu * mom[k][i]          # Nesterov: m ← g + μm; step −lr(g + μm)
+                    glob[k][i] -= lr * (g + mu * mom[k][i])
+                    for m in range(M):
+                        theta[m][k][i] = alpha * theta[m][k][i] + (1 - alpha) * glob[k][i]
+        trace.append(([{k: list(v) for k, v in th.items()} for th in theta], {k: list(v) for k, v in glob.items()}))
+    return trace
+
+
+def names(tree):
+    return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+GRID = list(itertools.product([1, 2, 3], [0, 1, 2], [0.0, 0.5, 1.0]))
+
+
+@pytest.mark.parametrize("P,tau,alpha", GRID)
+def test_closed_form_trace(P, tau, alpha):
+    H, steps, cs, lr, mu = 4, 13, (0.5, 1.5), 0.7, 0.9
+    params = toy_params()
+    frags = make_fragments(params, L, fragments=P, pattern="sequential")
+    sync = OuterSync(frags, codecs.make_codec("none"), outer_optimizer(lr, mu), alpha)
+    frag_of = {}
+    for p in range(frags.P):
+        for n in frags.names[p]:
+            frag_of[n] = p
+    x0 = {k: [float(x) for x in np.asarray(v)] for k, v in names(params).items()}
+    ref = reference(P, tau, alpha, steps, H, cs, lr, mu, x0, frag_of)
+
+    s = Schedule(H=H, P=P, taus=(tau, tau))
+    params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), params)
+    outer = sync.init(params)
+    c_R = jnp.array(cs)
+    for t in range(1, steps + 1):
+        params_R = jax.tree_util.tree_map(lambda x: x - c_R.reshape((2,) + (1,) * (x.ndim - 1)), params_R)
+        for p in s.sends(t):
+            outer = sync.send(params_R, outer, p, jax.random.PRNGKey(t), jnp.ones(2))
+        for p in s.outer_updates(t):
+            outer = sync.update(outer, p)
+        for p, mask in s.merges(t):
+            params_R = sync.merge(params_R, outer, p, jnp.array(mask))
+        want_theta, want_glob = ref[t - 1]
+        got = names(params_R)
+        for k, v in names(outer["params"]).items():
+            np.testing.assert_allclose(np.asarray(v), want_glob[k], rtol=1e-5, atol=1e-5, err_msg=f"θ^g {k} t={t}")
+        for m in range(2):
+            for k, v in got.items():
+                np.testing.assert_allclose(np.asarray(v[m]), want_theta[m][k], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"replica {m} {k} t={t}")
+
+
+def test_hand_computed_diloco_round():
+    """M=2, H=1, P=1, lr=1, μ=0, α=0: one round by hand.
+    θ0 = 1; replica 0 → 0.5, replica 1 → −0.5; Δ = mean(1−0.5, 1+0.5) = 1; θ^g = 1 − 1·1 = 0."""
+    params = {"block_0": {"w": jnp.array([1.0])}}
+    sync = OuterSync(make_fragments(params, 1), codecs.make_codec("none"), outer_optimizer(1.0, 0.0), 0.0)
+    outer = sync.init(params)
+    params_R = {"block_0": {"w": jnp.array([[0.5], [-0.5]])}}
+    outer = sync.update(sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2)), 0)
+    assert float(outer["params"]["block_0"]["w"][0]) == 0.0
+    merged = sync.merge(params_R, outer, 0, jnp.array([True, True]))
+    np.testing.assert_array_equal(np.asarray(merged["block_0"]["w"]), [[0.0], [0.0]])
+
+
+def test_outer_gradient_sign_moves_outer_params_toward_replicas():
+    params = {"block_0": {"w": jnp.zeros(4)}}
+    sync = OuterSync(make_fragments(params, 1), codecs.make_codec("none"), outer_optimizer(0.4, 0.0), 0.0)
+    outer = sync.init(params)
+    params_R = {"block_0": {"w": jnp.ones((2, 4))}}
+    outer = sync.update(sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2)), 0)
+    np.testing.assert_allclose(np.asarray(outer["params"]["block_0"]["w"]), 0.4)
+
+
+def test_non_synced_fragment_momentum_untouched():
+    params = toy_params()
+    frags = make_fragments(params, L, fragments=3, pattern="sequential")
+    sync = OuterSync(frags, codecs.make_codec("none"), outer_optimizer(0.4, 0.9), 0.0)
+    outer = sync.init(params)
+    params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x - 1, x - 2]), params)
+    outer = sync.update(sync.send(params_R, outer, 1, jax.random.PRNGKey(0), jnp.ones(2)), 1)
+    for p in (0, 2):
+        assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree_util.tree_leaves(outer["opt"][p]))
+        np.testing.assert_array_equal(np.asarray(frags.flatten(outer["params"], p)),
+                                      np.asarray(frags.flatten(params, p)))
+    assert float(jnp.abs(jax.tree_util.tree_leaves(outer["opt"][1])[0]).max()) > 0
+
+
+def test_missing_replica_contributes_nothing():
+    params = {"block_0": {"w": jnp.zeros(3)}}
+    sync = OuterSync(make_fragments(params, 1), codecs.make_codec("none"), outer_optimizer(1.0, 0.0), 0.0)
+    outer = sync.init(params)
+    params_R = {"block_0": {"w": jnp.array([[1.0] * 3, [5.0] * 3])}}
+    outer = sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.array([1.0, 0.0]))
+    np.testing.assert_allclose(np.asarray(outer["pending"][0]), -1.0)  # only replica 0's Δ = 0 − 1
+
+
+@pytest.mark.parametrize("pattern,expected", [
+    ("sequential", [["block_0", "block_1", "block_2", "embed", "final_norm"], ["block_3", "block_4", "block_5"]]),
+    ("strided", [["block_0", "block_2", "block_4", "embed", "final_norm"], ["block_1", "block_3", "block_5"]]),
+])
+def test_fragment_assignment(pattern, expected):
+    params = {"embed": jnp.zeros(2), "final_norm": jnp.zeros(1), **{f"block_{i}": jnp.zeros(3) for i in range(6)}}
+    frags = make_fragments(params, 6, layers_per_fragment=3, pattern=pattern)
+    assert [sorted(n) for n in frags.names] == expected
+    assert frags.sizes == (3 * 3 + 3, 3 * 3)
+
+
+def test_scanned_blocks_split_by_rows_and_roundtrip():
+    params = {"embed": jnp.arange(2.0), "blocks": {"w": jnp.arange(12.0).reshape(6, 2)}}
+    frags = make_fragments(params, 6, layers_per_fragment=2, pattern="strided", embed_fragment="own")
+    assert frags.P == 4 and frags.sizes == (4, 4, 4, 2)
+    np.testing.assert_array_equal(np.asarray(frags.flatten(params, 1)), [2, 3, 8, 9])  # rows 1 and 4
+    back = frags.unflatten(params, 1, jnp.full(4, -1.0))
+    np.testing.assert_array_equal(np.asarray(back["blocks"]["w"])[[1, 4]], -1)
+    np.testing.assert_array_equal(np.asarray(back["blocks"]["w"])[[0, 2, 3, 5]],
+                                  np.asarray(params["blocks"]["w"])[[0, 2, 3, 5]])
