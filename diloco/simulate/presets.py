@@ -1,0 +1,118 @@
+"""Named models, methods and assumption sets of the papers' simulator runs."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from diloco.errors import ConfigError
+from diloco.simulate.dag import PATTERNS, Assumptions, Method, Model
+
+METHODS = ("dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
+CALIBRATIONS = ("paper", "physical")
+
+# [SD] Table 4 (1B/10B/100B) and [SL] Table 6 models; params are the nominal sizes.
+MODELS: dict[str, Model] = {
+    "1B": Model("1B", layers=24, params=1e9, step_time_s=0.1),
+    "10B": Model("10B", layers=48, params=1e10, step_time_s=0.8),
+    "100B": Model("100B", layers=108, params=1e11, step_time_s=4.9),
+    "Chinchilla-10B": Model("Chinchilla-10B", layers=48, params=1e10, step_time_s=0.8),
+    "Llama3-405B": Model("Llama3-405B", layers=126, params=405e9, step_time_s=26.0),
+    "DeepSeek-V3-671B": Model("DeepSeek-V3-671B", layers=61, params=671e9, step_time_s=20.0),
+}
+
+# The paper's unknowns, calibrated on [SD] Table 4 (docs/simulator.md, "Assumptions"):
+# bf16 payload, 4-bit FP4, link traffic = 0.84 × payload, no latency, fwd:bwd_act:bwd_param 1:1:1.
+PAPER = Assumptions(bits=16.0, allreduce_factor=0.84)
+# What a ring all-reduce over M=2 datacenters in bf16 actually moves: 2(M−1)/M × payload.
+PHYSICAL = Assumptions(bits=16.0, allreduce_factor=1.0)
+
+
+def assumptions_for(calibration: str, **overrides) -> Assumptions:
+    """PAPER or PHYSICAL, with any field replaced (None values are ignored)."""
+    if calibration not in CALIBRATIONS:
+        raise ConfigError("calibration", f"{calibration!r}; valid: {', '.join(CALIBRATIONS)}")
+    base = PAPER if calibration == "paper" else PHYSICAL
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def allreduce_factor(replicas: int) -> float:
+    """Bytes each datacenter sends per payload byte in a ring all-reduce: 2(M − 1)/M."""
+    if replicas < 2:
+        raise ConfigError("replicas", f"M={replicas} must be >= 2 to need a reduction")
+    return 2 * (replicas - 1) / replicas
+
+
+def make_method(
+    kind: str,
+    layers: int,
+    h: int = 100,
+    fragments: int | None = None,
+    layers_per_fragment: int = 3,
+    tau: int | None = None,
+    bits: float | None = None,
+    pattern: str = "strided",
+) -> Method:
+    """Method from a CLI kind; Streaming defaults: ceil(layers / 3) fragments, τ=1 when overlapped."""
+    if kind not in METHODS:
+        raise ConfigError("method", f"{kind!r}; valid: {', '.join(METHODS)}")
+    if pattern not in PATTERNS:
+        raise ConfigError("pattern", f"{pattern!r}; valid: {', '.join(PATTERNS)}")
+    if kind == "dp":
+        return Method("dp", h=1, fragments=1, tau=0, bits=bits)
+    if kind == "diloco":
+        return Method("diloco", h=h, fragments=1, tau=0 if tau is None else tau, bits=bits)
+    if fragments is None:
+        if layers_per_fragment < 1:
+            raise ConfigError("layers_per_fragment", f"{layers_per_fragment} must be >= 1")
+        fragments = math.ceil(layers / layers_per_fragment)
+    if kind == "streaming":
+        default_tau, default_bits = 0, None
+    else:
+        default_tau, default_bits = 1, (4.0 if kind == "streaming_overlap_fp4" else None)
+    return Method(
+        kind,
+        h=h,
+        fragments=fragments,
+        tau=default_tau if tau is None else tau,
+        bits=default_bits if bits is None else bits,
+        pattern=pattern,
+    )
+
+
+def parse_count(text: str, field: str = "params") -> float:
+    """'7e9', '7B', '350M', '1.3T' -> a number."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMBGT]?)\s*", str(text))
+    if not m:
+        raise ConfigError(field, f"{text!r} is not a count like 7e9, 7B or 350M")
+    mult = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+def kaplan_step_time(params: float, tokens_per_step: float, chips: int, chip_tflops: float, mfu: float = 0.6) -> float:
+    """Step time of 6·N·tokens FLOPs (Kaplan et al. 2020) on `chips` at `mfu` of peak."""
+    return 6 * params * tokens_per_step / (chips * chip_tflops * 1e12 * mfu)
+
+
+def scale_model(name: str, step_time_s: float, vocab_size: int = 32000) -> Model:
+    """A model from diloco.model.scales (imported lazily): its layers and parameter count."""
+    try:
+        from diloco.model import scales
+    except ImportError as e:  # the scales module is optional for the simulator
+        raise ConfigError("model", f"{name!r} needs diloco.model.scales, which is unavailable ({e})") from e
+    if name not in scales.SCALES:
+        valid = ", ".join([*MODELS, *scales.SCALES, "custom"])
+        raise ConfigError("model", f"unknown model {name!r}; valid: {valid}")
+    count = getattr(scales, "formula_params", None) or scales.param_count
+    return Model(name, layers=scales.SCALES[name].layers, params=float(count(name, vocab_size)), step_time_s=step_time_s)
+
+
+def known_model_names() -> list[str]:
+    """Preset names plus the scales of diloco.model.scales when it is importable."""
+    try:
+        from diloco.model import scales
+
+        extra = [s for s in scales.SCALES if s not in MODELS]
+    except ImportError:
+        extra = []
+    return [*MODELS, *extra, "custom"]
