@@ -128,8 +128,22 @@ def score(cells: list[Cell]) -> dict[str, int]:
     }
 
 
-def fmt(x: float | None) -> str:
-    """One decimal, as the paper prints; '>1000' above the grid."""
+def printed_grid(path: str | Path | None = None) -> dict[int, str]:
+    """Grid index -> the paper's own printing of that grid value (it is not always round-half-up)."""
+    try:
+        with open(find_csv(path), newline="") as f:
+            return {grid_index(float(r["gbit_per_s"])): f"{float(r['gbit_per_s']):.1f}" for r in csv.DictReader(f)}
+    except ConfigError:
+        return {}
+
+
+def fmt(x: float | None, printed: dict[int, str] | None = None) -> str:
+    """One decimal (the paper's digits for a grid value when `printed` is given); '>1000' above the grid."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return ""
-    return f">{GRID[-1]:.0f}" if math.isinf(x) else f"{x:.1f}"
+    if math.isinf(x):
+        return f">{GRID[-1]:.0f}"
+    i = grid_index(x)
+    if printed and i in printed and abs(math.log(x / GRID[i])) < 1e-9:
+        return printed[i]
+    return f"{x:.1f}"
