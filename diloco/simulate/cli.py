@@ -32,7 +32,7 @@ from diloco.simulate.presets import (
     parse_count,
     scale_model,
 )
-from diloco.simulate.search import required_bandwidth
+from diloco.simulate.search import paper_print, required_bandwidth
 
 DEFAULT_TARGETS = "50,80,90,95,99"
 
@@ -271,10 +271,14 @@ def paper_table(args, a: Assumptions) -> int:
 def cell_row(c: paper.Cell) -> dict:
     return {
         "source": c.source, "model": c.model, "method": c.method, "h": c.h, "target_cu": c.target_cu,
-        "gbit_per_s": _round(c.gbit_per_s), "exact_gbit_per_s": _round(c.exact_gbit_per_s),
+        "gbit_per_s": _print(c.gbit_per_s), "exact_gbit_per_s": _round(c.exact_gbit_per_s),
         "paper_gbit_per_s": c.paper_gbit_per_s, "grid_steps_off": c.steps_off, "match": c.match,
         "analytic_gbit_per_s": _round(c.analytic_gbit_per_s) if c.analytic_gbit_per_s is not None else None,
     }
+
+
+def _print(x: float) -> float | None:
+    return None if math.isinf(x) else paper_print(x)
 
 
 def _round(x: float) -> float | None:
@@ -290,7 +294,6 @@ def markdown(cells: list[paper.Cell], a: Assumptions, secs: float) -> str:
         f"Cell = ours (grid value) / paper; `exact` = same grid point, `±1` = one grid step (×1.207) off. "
         f"Regenerated in {secs:.1f} s by `diloco simulate --paper-table --out results/simulator`.",
     ]
-    printed = paper.printed_grid()
     for src in dict.fromkeys(c.source for c in cells):
         sub = [c for c in cells if c.source == src]
         s = paper.score(sub)
@@ -303,7 +306,7 @@ def markdown(cells: list[paper.Cell], a: Assumptions, secs: float) -> str:
             groups.setdefault((c.model, c.method, c.h), []).append(c)
         for (model, method, h), cs in groups.items():
             by_t = {c.target_cu: c for c in cs}
-            vals = [f"{paper.fmt(by_t[t].gbit_per_s, printed)} / {paper.fmt(by_t[t].paper_gbit_per_s)}" if t in by_t else "" for t in targets]
+            vals = [f"{paper.fmt(by_t[t].gbit_per_s)} / {paper.fmt(by_t[t].paper_gbit_per_s)}" if t in by_t else "" for t in targets]
             offs = " ".join(f"{c.steps_off:+d}" for c in cs)
             lines.append(f"| {model} | {method} | {h or ''} | " + " | ".join(vals) + f" | {offs} |")
     return "\n".join(lines) + "\n"

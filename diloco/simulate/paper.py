@@ -11,7 +11,7 @@ from diloco.errors import ConfigError
 from diloco.simulate import analytic
 from diloco.simulate.dag import Assumptions, Method, Model
 from diloco.simulate.presets import MODELS, PAPER, make_method
-from diloco.simulate.search import GRID, grid_index, required_bandwidth
+from diloco.simulate.search import GRID, paper_print, printed_indices, required_bandwidth
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 SOURCES = {
@@ -74,9 +74,12 @@ def method_for(label: str, h: int | None, model: Model) -> Method:
     return make_method(kind, model.layers, h=h or 1)
 
 
-def paper_index(row: dict) -> tuple[int, bool]:
-    """Grid index of a printed value, and whether it was printed as a lower bound ('1000.0+')."""
-    return grid_index(float(row["gbit_per_s"])), "1000.0+" in row.get("note", "")
+def steps_off(ours: int, row: dict) -> int:
+    """Our grid index minus the nearest index the paper's printed value can stand for."""
+    candidates = printed_indices(float(row["gbit_per_s"]))
+    if "1000.0+" in row.get("note", "") and ours >= min(candidates):  # printed as a lower bound
+        return 0
+    return min((ours - c for c in candidates), key=abs)
 
 
 def regenerate(
@@ -93,8 +96,6 @@ def regenerate(
         method = method_for(r["method"], h, model)
         target = float(r["target_cu"])
         req = required_bandwidth(model, method, target, assumptions, exact=exact)
-        p_idx, lower_bound = paper_index(r)
-        off = 0 if lower_bound and req.grid_index >= p_idx else req.grid_index - p_idx
         cells.append(
             Cell(
                 source=r["source"],
@@ -105,7 +106,7 @@ def regenerate(
                 gbit_per_s=req.grid_gbit_per_s,
                 exact_gbit_per_s=req.exact_gbit_per_s,
                 paper_gbit_per_s=float(r["gbit_per_s"]),
-                steps_off=off,
+                steps_off=steps_off(req.grid_index, r),
                 analytic_gbit_per_s=_analytic(model, method, target, assumptions),
             )
         )
@@ -128,22 +129,8 @@ def score(cells: list[Cell]) -> dict[str, int]:
     }
 
 
-def printed_grid(path: str | Path | None = None) -> dict[int, str]:
-    """Grid index -> the paper's own printing of that grid value (it is not always round-half-up)."""
-    try:
-        with open(find_csv(path), newline="") as f:
-            return {grid_index(float(r["gbit_per_s"])): f"{float(r['gbit_per_s']):.1f}" for r in csv.DictReader(f)}
-    except ConfigError:
-        return {}
-
-
-def fmt(x: float | None, printed: dict[int, str] | None = None) -> str:
-    """One decimal (the paper's digits for a grid value when `printed` is given); '>1000' above the grid."""
+def fmt(x: float | None) -> str:
+    """One decimal as the papers print (round to 2 decimals, then 1); '>1000' above the grid."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return ""
-    if math.isinf(x):
-        return f">{GRID[-1]:.0f}"
-    i = grid_index(x)
-    if printed and i in printed and abs(math.log(x / GRID[i])) < 1e-9:
-        return printed[i]
-    return f"{x:.1f}"
+    return f">{GRID[-1]:.0f}" if math.isinf(x) else f"{paper_print(x):.1f}"

@@ -8,7 +8,9 @@ import numpy as np
 
 from diloco.simulate.dag import Assumptions, Method, Model, compute_utilisation
 
-# The paper's bandwidth sweep (Gbit/s): numpy.logspace(-1, 3, 50), printed with one decimal.
+# The paper's bandwidth sweep (Gbit/s): numpy.logspace(-1, 3, 50). The papers print a grid value
+# x as round(round(x, 2), 1) (Python rounding of binary floats): this reproduces all 44 distinct
+# published values, where plain round(x, 1) misses 7 (86.85 -> 86.8, 2.947 -> 3.0, …).
 GRID = np.logspace(-1, 3, 50)
 GRID_RATIO = float(GRID[1] / GRID[0])  # one grid step, ≈ ×1.207
 
@@ -28,6 +30,17 @@ def grid_index(gbit_per_s: float, grid: np.ndarray = GRID) -> int:
     if gbit_per_s > grid[-1] * math.sqrt(GRID_RATIO):
         return len(grid)
     return int(np.argmin(np.abs(np.log(grid) - math.log(gbit_per_s))))
+
+
+def paper_print(gbit_per_s: float) -> float:
+    """How the papers print a bandwidth: rounded to 2 decimals, then to 1."""
+    return round(round(float(gbit_per_s), 2), 1)
+
+
+def printed_indices(printed: float, grid: np.ndarray = GRID) -> list[int]:
+    """Grid indices the papers would print as `printed` (0.1, 0.2, 0.3, 0.5 are ambiguous)."""
+    hits = [i for i, g in enumerate(grid) if paper_print(g) == round(printed, 1)]
+    return hits or [grid_index(printed, grid)]
 
 
 def grid_search(cu_at, target: float, grid: np.ndarray = GRID) -> int:

@@ -1,0 +1,193 @@
+"""Compute-utilisation simulator: hand-computed tiny DAGs, invariants, the paper table, the CLI."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from diloco.simulate import analytic, paper
+from diloco.simulate.cli import main
+from diloco.simulate.dag import Assumptions, Method, Model, fragment_layers, fragment_offsets, simulate
+from diloco.simulate.presets import MODELS, PAPER, make_method
+from diloco.simulate.search import GRID, paper_print, printed_indices, required_bandwidth
+
+# One bit per parameter on the link and 1 Gbit/s: a layer of p params takes p / 1e9 seconds.
+UNIT = Assumptions(bits=1.0, allreduce_factor=1.0)
+
+
+def one_layer(comm_s: float, step_s: float = 1.0) -> Model:
+    return Model("toy", layers=1, params=comm_s * 1e9, step_time_s=step_s)
+
+
+def cu(model, method, a=UNIT, bw=1.0):
+    return simulate(model, method, bw, a).cu
+
+
+# --- tiny DAGs worked out by hand -------------------------------------------------------------
+
+
+def test_diloco_h2_one_layer():
+    # fwd 0.5 s + bwd_param 0.5 s per step; after step 2 a 0.5 s reduction blocks step 3.
+    assert cu(one_layer(0.5), Method("diloco", h=2)) == pytest.approx(2 / 2.5)
+
+
+def test_dp_one_layer_and_latency():
+    # Every step: 1 s compute, then a 0.25 s (+ 0.1 s latency) reduction before the next forward.
+    assert cu(one_layer(0.25), Method("dp")) == pytest.approx(1 / 1.25)
+    lat = Assumptions(bits=1.0, allreduce_factor=1.0, latency_s=0.1)
+    assert cu(one_layer(0.25), Method("dp"), lat) == pytest.approx(1 / 1.35)
+
+
+def test_dp_two_layers_overlaps_backward():
+    # 5 nodes of 0.2 s: fwd0 fwd1 bwd_act1 bwd_param1 bwd_param0. Layer 1's gradient is ready at
+    # 0.8 s and reduced over [0.8, 1.3]; layer 0's at 1.0 s, reduced over [1.3, 1.8]; the next
+    # forward of layer 0 starts at 1.8 s, so one step takes 1.8 s of wall time.
+    m = Model("toy", layers=2, params=2 * 0.5e9, step_time_s=1.0)
+    assert cu(m, Method("dp")) == pytest.approx(1 / 1.8)
+
+
+def test_overlap_hides_exactly_when_it_fits_in_tau_steps():
+    # One layer, H=3, τ=2: the reduction issued after step 3 is needed by step 3 + 1 + 2 = 6,
+    # so up to τ·T = 2 s of communication is free and the excess is exposed once per round.
+    for tau in (1, 2):
+        method = Method("streaming_overlap", h=3, fragments=1, tau=tau)
+        assert cu(one_layer(tau * 1.0), method) == pytest.approx(1.0)
+        assert cu(one_layer(tau * 1.0 + 0.3), method) == pytest.approx(3 / 3.3)
+    assert cu(one_layer(1.0), Method("diloco", h=3)) == pytest.approx(3 / 4)
+
+
+def test_streaming_two_fragments_one_layer_each():
+    # Fig. 3 toy: 2 layers, H=2, P=2; fragment 1 (layer 1) after odd steps, fragment 0 after even.
+    # Node time 0.2 s. Layer 1's reduction [0.8, 0.8 + d] must end before fwd1 of the next step
+    # (at 0.2 s into it); layer 0's [1.0, 1.0 + d] before fwd0 (0 s into it). With d = 0.5 s each
+    # round of 2 steps loses 0.1 s (layer 1) and 0.5 s (layer 0): wall 2.6 s.
+    m = Model("toy", layers=2, params=2 * 0.5e9, step_time_s=1.0)
+    assert cu(m, Method("streaming", h=2, fragments=2)) == pytest.approx(2 / 2.6)
+
+
+def test_one_layer_diloco_equals_analytic_model():
+    # With a single layer nothing can overlap the outer reduction, so the DAG and [SL]'s
+    # no-overlap formula must agree exactly.
+    m = Model("toy", layers=1, params=3e9, step_time_s=0.7)
+    for h, bw in ((1, 50.0), (5, 2.0), (30, 0.3)):
+        method = Method("diloco", h=h)
+        assert cu(m, method, bw=bw) == pytest.approx(analytic.cu(m, h, bw, link_bits_per_param=1.0))
+
+
+def test_trace_has_3l_minus_1_compute_nodes_per_step():
+    m = MODELS["1B"]
+    res = simulate(m, Method("dp"), 100.0, PAPER, periods=1, warmup_periods=0, trace=True)
+    steps = {n.step for n in res.nodes}
+    for s in steps:
+        comp = [n for n in res.nodes if n.step == s and n.resource == "compute"]
+        link = [n for n in res.nodes if n.step == s and n.resource == "link"]
+        assert len(comp) == 3 * m.layers - 1 and len(link) == m.layers
+        assert sum(n.end - n.start for n in comp) == pytest.approx(m.step_time_s)
+    # One stream per resource: nodes never overlap on it.
+    for res_name in ("compute", "link"):
+        iv = sorted((n.start, n.end) for n in res.nodes if n.resource == res_name)
+        assert all(b[0] >= a[1] - 1e-12 for a, b in zip(iv, iv[1:]))
+
+
+# --- invariants ---------------------------------------------------------------------------------
+
+SMALL = Model("small", layers=12, params=2e9, step_time_s=0.3)
+
+
+@pytest.mark.parametrize("kind", ["dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4"])
+def test_cu_never_decreases_with_bandwidth(kind):
+    method = make_method(kind, SMALL.layers, h=12)
+    cus = [simulate(SMALL, method, float(bw), PAPER).cu for bw in GRID[::2]]
+    assert all(b >= a - 1e-12 for a, b in zip(cus, cus[1:]))
+    assert cus[0] < 0.5 < cus[-1] <= 1.0
+
+
+@pytest.mark.parametrize("pattern", ["strided", "sequential"])
+def test_cu_never_decreases_with_tau_or_fewer_bits(pattern):
+    for bw in (0.3, 1.0, 3.0):
+        by_tau = [simulate(SMALL, make_method("streaming_overlap", 12, h=12, tau=t, pattern=pattern), bw, PAPER).cu
+                  for t in range(0, 7)]
+        assert all(b >= a - 1e-12 for a, b in zip(by_tau, by_tau[1:]))
+        by_bits = [simulate(SMALL, make_method("streaming_overlap", 12, h=12, bits=b, pattern=pattern), bw, PAPER).cu
+                   for b in (32, 16, 8, 4, 2)]
+        assert all(b >= a - 1e-12 for a, b in zip(by_bits, by_bits[1:]))
+
+
+def test_fragments_and_offsets():
+    assert [f.tolist() for f in fragment_layers(6, 3, "strided")] == [[0, 3], [1, 4], [2, 5]]
+    assert [f.tolist() for f in fragment_layers(6, 3, "sequential")] == [[0, 1], [2, 3], [4, 5]]
+    assert fragment_offsets(100, 8).tolist() == [0, 12, 25, 38, 50, 62, 75, 88]
+    # More fragments than H is allowed (100B at H=30): several fragments share a step.
+    assert cu(MODELS["100B"], make_method("streaming_overlap_fp4", 108, h=30), bw=2.0) > 0
+
+
+# --- search and the paper grid ------------------------------------------------------------------
+
+
+def test_required_bandwidth_inverts_the_hand_formula():
+    # DiLoCo H=2, one layer of p bits: CU = 2 / (2 + p/W)  =>  W = p·c / (2(1 − c)).
+    m = one_layer(1.0)  # 1e9 bits
+    for c in (0.5, 0.8, 0.95):
+        req = required_bandwidth(m, Method("diloco", h=2), c, UNIT)
+        want = c / (2 * (1 - c))
+        assert req.exact_gbit_per_s == pytest.approx(want, rel=2e-4)
+        assert req.grid_gbit_per_s == GRID[np.searchsorted(GRID, want)]
+
+
+def test_published_values_sit_on_logspace_grid():
+    # Every distinct published bandwidth is a logspace(-1, 3, 50) point printed as round(round(x, 2), 1);
+    # plain one-decimal rounding would print 86.9 where the paper has 86.8.
+    values = {float(r["gbit_per_s"]) for r in paper.read_rows()}
+    assert len(values) > 30
+    printed = {paper_print(g) for g in GRID}
+    assert values <= printed
+    assert paper_print(GRID[36]) == 86.8 and round(float(GRID[36]), 1) == 86.9
+    assert printed_indices(0.5) == [8, 9] and printed_indices(86.8) == [36]
+
+
+def test_paper_table4_reproduced():
+    cells = paper.regenerate(sources=("sd",), exact=False)
+    s = paper.score(cells)
+    assert s["total"] == 75
+    assert s["within_one"] >= 68  # the acceptance bar: 90% within one grid step
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+
+def test_cli_bandwidth_and_target(capsys):
+    assert main(["--model", "10B", "--method", "diloco", "--bandwidth", "1,1000", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["cu"] < rows[1]["cu"] <= 1.0
+    assert main(["--model", "custom", "--layers", "1", "--params", "1e9", "--step-time", "1", "--method", "diloco",
+                 "--h", "2", "--calibration", "physical", "--payload-bits", "1", "--target-cu", "80", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["exact_gbit_per_s"] == pytest.approx(0.8 / 0.4, rel=2e-4)
+    assert row["analytic_gbit_per_s"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--method", "fedavg"], "--method"),
+        (["--model", "7B"], "--model"),
+        (["--target-cu", "150"], "--target-cu"),
+        (["--bandwidth", "-1"], "--bandwidth"),
+        (["--pattern", "random"], "--pattern"),
+        (["--model", "custom", "--layers", "4"], "--params"),
+        (["--tau", "200"], "--tau"),
+        (["--split", "1:2"], "--split"),
+        (["--paper-table", "--sources", "xx"], "--sources"),
+    ],
+)
+def test_cli_bad_input_names_the_flag(argv, flag, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert flag in err
+
+
+def test_cli_scale_model(capsys):
+    pytest.importorskip("diloco.model.scales")
+    assert main(["--model", "35M", "--step-time", "0.05", "--method", "dp", "--bandwidth", "10", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert 0 < row["cu"] <= 1
