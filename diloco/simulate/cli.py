@@ -32,7 +32,7 @@ from diloco.simulate.presets import (
     parse_count,
     scale_model,
 )
-from diloco.simulate.search import paper_print, required_bandwidth
+from diloco.simulate.search import GRID, paper_print, printed_indices, required_bandwidth
 
 DEFAULT_TARGETS = "50,80,90,95,99"
 
@@ -309,7 +309,34 @@ def markdown(cells: list[paper.Cell], a: Assumptions, secs: float) -> str:
             vals = [f"{paper.fmt(by_t[t].gbit_per_s)} / {paper.fmt(by_t[t].paper_gbit_per_s)}" if t in by_t else "" for t in targets]
             offs = " ".join(f"{c.steps_off:+d}" for c in cs)
             lines.append(f"| {model} | {method} | {h or ''} | " + " | ".join(vals) + f" | {offs} |")
+        lines += misses(sub, a)
     return "\n".join(lines) + "\n"
+
+
+def misses(cells: list[paper.Cell], a: Assumptions) -> list[str]:
+    """Non-exact cells, with the traffic factor that would land each on the paper's grid point.
+
+    With zero latency CU depends on bandwidth only through traffic_factor / bandwidth, so the exact
+    threshold scales linearly with the factor; the paper's printed value v (grid index k) needs a
+    threshold in (GRID[k−1], GRID[k]].
+    """
+    off = [c for c in cells if c.steps_off != 0]
+    if not off:
+        return []
+    out = ["", "Cells off the paper's grid point (exact = our bisection threshold; the last column is the "
+           "traffic factor range that would put this cell on the paper's value, all else equal):", "",
+           "| model | method | target | ours | exact | paper | off | factor range that matches |", "|---|---|---|---|---|---|---|---|"]
+    for c in off:
+        rng = ""
+        if a.latency_s == 0 and math.isfinite(c.exact_gbit_per_s):
+            ks = printed_indices(c.paper_gbit_per_s)
+            lo = GRID[min(ks) - 1] if min(ks) > 0 else 0.0
+            hi = GRID[max(ks)]
+            f = a.allreduce_factor / c.exact_gbit_per_s
+            rng = f"({lo * f:.3f}, {hi * f:.3f}]"
+        out.append(f"| {c.model} | {c.method} | {100 * c.target_cu:g}% | {paper.fmt(c.gbit_per_s)} | "
+                   f"{c.exact_gbit_per_s:.3f} | {paper.fmt(c.paper_gbit_per_s)} | {c.steps_off:+d} | {rng} |")
+    return out
 
 
 def write_plots(folder: Path, a: Assumptions) -> int:

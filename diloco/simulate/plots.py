@@ -51,14 +51,14 @@ def plot_cu_vs_bandwidth(path: str | Path, models=("1B", "10B", "100B"), h: int 
 
 
 def plot_cu_vs_tau(
-    path: str | Path, model: str = "100B", bandwidths=(0.5, 1.0, 2.0, 5.0), taus=range(0, 11), h: int = 100,
-    a: Assumptions = PAPER,
+    path: str | Path, model: str = "100B", fp4_bandwidths=(0.5, 0.8, 1.0), bf16_bandwidths=(2.0, 3.0, 4.0),
+    taus=range(0, 11), h: int = 100, a: Assumptions = PAPER,
 ) -> Path:
     """Fig. 9: CU of Streaming DiLoCo (FP4 and bf16) as the overlap τ grows."""
     plt = _plt()
     m = MODELS[model]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for kind, style in (("streaming_overlap_fp4", "-"), ("streaming_overlap", "--")):
+    for kind, style, bandwidths in (("streaming_overlap_fp4", "-", fp4_bandwidths), ("streaming_overlap", "--", bf16_bandwidths)):
         for bw in bandwidths:
             cus = [compute_utilisation(m, make_method(kind, m.layers, h=h, tau=t), bw, a) for t in taus]
             ax.plot(list(taus), cus, style, marker="o", ms=3, label=f"{'FP4' if 'fp4' in kind else 'bf16'}, {bw:g} Gbit/s")
