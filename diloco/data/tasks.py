@@ -89,7 +89,7 @@ def get_task(spec: specs.Spec, vocab: str):
     if name in seqio.TaskRegistry.names():
         return seqio.TaskRegistry.get(name)
     if spec.kind == "tfds":
-        source = seqio.TfdsDataSource(tfds_data_dir=spec.root, read_only=os.environ.get("DILOCO_TFDS_DOWNLOAD") != "1")
+        source = seqio.TfdsDataSource(tfds_data_dir=spec.root, read_only=True)  # prepared dirs only: never downloads
     elif spec.kind == "jsonl":
         source = _hash_split_source(list(spec.files))
     else:  # stdlib / text: one document per file
