@@ -83,7 +83,8 @@ def plot_gantt(
         nodes = [dataclasses.replace(n, start=n.start - t0, end=n.end - t0) for n in nodes]
         for n in nodes:
             y = 1 if n.resource == "compute" else 0
-            ax.barh(y, n.end - n.start, left=n.start, color=COLORS[n.kind], edgecolor="white", linewidth=0.5)
+            ax.barh(y, n.end - n.start, left=n.start, color=COLORS[n.kind], edgecolor="white",
+                    linewidth=0.5 if len(nodes) < 80 else 0)
             if n.end - n.start > 0.04 * model.step_time_s * steps / 2:
                 ax.text((n.start + n.end) / 2, y, str(n.layer), ha="center", va="center", fontsize=6, color="white")
         ax.set(yticks=[0, 1], yticklabels=["link", "compute"], title=title)
