@@ -60,24 +60,25 @@ def loglikelihood_tokens(apply_fn: ApplyFn, params: Any, pairs: Sequence[Pair], 
                          batch_size: int = 32, prefix_id: int = 1) -> list[tuple[float, bool]]:
     """[(sum log p(continuation | context), continuation is the greedy decode)] per pair.
 
-    An empty context is replaced by [prefix_id] (EOS, as lm-eval does). Identical requests are
-    scored once; requests are sorted longest first and right-padded (token 0) to a power-of-two
-    length, so each distinct length compiles once and padding cannot leak into a causal model.
+    An empty context is replaced by [prefix_id] (EOS, as lm-eval does). Each request keeps its last
+    max_len + 1 tokens. A continuation longer than max_len (where lm-eval's HF model stops with an
+    assertion) is scored in consecutive chunks of max_len tokens, each a request of its own whose
+    context is everything before it; the chunks' log-likelihoods add up.
+    Identical requests are scored once; requests are sorted longest first and right-padded (token 0)
+    to a power-of-two length, so each distinct length compiles once and padding cannot leak into a
+    causal model.
     """
-    seqs: dict[tuple[tuple[int, ...], int], int] = {}
-    keys = []
+    keys: list[list[tuple[tuple[int, ...], int]]] = []
     for ctx, cont in pairs:
         ctx, cont = list(ctx) or [prefix_id], list(cont)
         if not cont:
             raise ValueError("empty continuation: nothing to score")
-        if len(cont) > max_len:
-            raise ValueError(f"continuation of {len(cont)} tokens exceeds the context window "
-                             f"max_len={max_len}")
-        whole = (ctx + cont)[-(max_len + 1):]
-        key = (tuple(whole), len(cont))
-        keys.append(key)
-        seqs.setdefault(key, 0)
-    order = sorted(seqs, key=lambda k: (-len(k[0]), k[0], k[1]))
+        parts = []
+        for a in range(0, len(cont), max_len):
+            piece = cont[a:a + max_len]
+            parts.append((tuple((ctx + cont[:a] + piece)[-(max_len + 1):]), len(piece)))
+        keys.append(parts)
+    order = sorted({k for parts in keys for k in parts}, key=lambda k: (-len(k[0]), k[0], k[1]))
     score = _scorer(apply_fn)
     results: dict[tuple[tuple[int, ...], int], tuple[float, bool]] = {}
     for start in range(0, len(order), batch_size):
@@ -95,7 +96,11 @@ def loglikelihood_tokens(apply_fn: ApplyFn, params: Any, pairs: Sequence[Pair], 
         ll_B, greedy_B = np.asarray(ll_B), np.asarray(greedy_B)
         for b, key in enumerate(chunk):
             results[key] = (float(ll_B[b]), bool(greedy_B[b]))
-    return [results[k] for k in keys]
+    out = []
+    for parts in keys:
+        rs = [results[k] for k in parts]
+        out.append((rs[0][0] if len(rs) == 1 else float(sum(r[0] for r in rs)), all(r[1] for r in rs)))
+    return out
 
 
 # ---------------------------------------------------------------- metrics (lm-eval's definitions)
