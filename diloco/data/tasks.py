@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 
 import numpy as np
 
@@ -75,6 +76,9 @@ def _hash_split_source(files: list[str]):
     return HashSplitSource(_read_jsonl, {s: files for s in specs.SPLITS}, cycle_length=1)
 
 
+_REGISTRY_LOCK = threading.Lock()  # prefetch threads and the main thread may register concurrently
+
+
 def task_name(spec: specs.Spec, vocab: str) -> str:
     v = vocab_fingerprint(vocab).replace("-", "_")
     return f"diloco_stdlib_{v}" if spec.kind == "stdlib" else f"diloco_{spec.kind}_{spec.key}_{v}"
@@ -82,12 +86,20 @@ def task_name(spec: specs.Spec, vocab: str) -> str:
 
 def get_task(spec: specs.Spec, vocab: str):
     """Register (once per process) and return the seqio Task for (data spec, vocab)."""
-    tf = _tf()
+    _tf()
     import seqio
 
     name = task_name(spec, vocab)
-    if name in seqio.TaskRegistry.names():
-        return seqio.TaskRegistry.get(name)
+    with _REGISTRY_LOCK:
+        if name in seqio.TaskRegistry.names():
+            return seqio.TaskRegistry.get(name)
+        return _add_task(spec, vocab, name)
+
+
+def _add_task(spec: specs.Spec, vocab: str, name: str):
+    tf = _tf()
+    import seqio
+
     if spec.kind == "tfds":
         source = seqio.TfdsDataSource(tfds_data_dir=spec.root, read_only=True)  # prepared dirs only: never downloads
     elif spec.kind == "jsonl":
