@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow (under seqio/tfds) is chatty on import
 
 # command -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int | None`.
 COMMANDS: dict[str, tuple[str, str]] = {

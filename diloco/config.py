@@ -36,15 +36,17 @@ def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
     from absl import flags
     from ml_collections import config_flags
 
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "experiment spec", flag_values=fv, lock_config=True)
     for o in overrides:
         if not o.startswith("--config."):
             raise ConfigError(o.split("=")[0], "unknown flag; overrides look like --config.key=value")
+    argv = ["diloco", f"--config={resolve_spec_path(spec)}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "experiment spec", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
     try:
-        fv(["diloco", f"--config={resolve_spec_path(spec)}", *overrides])
-    except flags.Error as e:  # unknown key, bad type
-        msg = str(e)
+        fv(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:  # unknown key, bad type
+        msg = str(e).strip("\"'")
         field = next((o.split("=")[0][len("--config."):] for o in overrides
                       if o.split("=")[0][len("--config."):] in msg), "config")
         raise ConfigError(field, f"{msg.splitlines()[0]} (see experiments/base.py for every key)") from None

@@ -239,8 +239,10 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------------
-def train(cfg, workdir: str | os.PathLike, progress: bool = True) -> dict:
-    """Run (or resume) one training run; returns the summary."""
+def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Run (or resume) one training run; returns the summary.
+
+    `stop_after=k` behaves as if SIGTERM arrived during step k (tests of the preemption path)."""
     import jax
     import jax.numpy as jnp
 
@@ -360,6 +362,8 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True) -> dict:
                 _run_downstream(tr, state, workdir, cfg)
             if t % cfg.checkpoint_every == 0 and t != cfg.steps:
                 save(t, state)
+            if stop_after is not None and t == stop_after:
+                stop["signal"] = "SIGTERM"
             if stop["signal"]:
                 save(t, state)
                 bar.close()

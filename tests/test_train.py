@@ -1,0 +1,209 @@
+"""The training loop: reductions between methods, invariants, resume, learning, bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from diloco.errors import ConfigError
+from diloco.train import Trainer, train
+
+
+def run_steps(cfg, batches, tmp_path):
+    """Drive the trainer's own jitted pieces with given batches; returns (trainer, state, history)."""
+    tr = Trainer(cfg, tmp_path, need_data=False)
+    state = tr.fresh_state()
+    inner = tr.inner_step_fn()
+    hist = []
+    for t, b in enumerate(batches, start=1):
+        state, _, _ = inner(state, jnp.asarray(b.reshape(tr.R, -1, b.shape[-1])))
+        state, _ = tr.run_syncs(state, t)
+        hist.append(jax.tree_util.tree_map(np.asarray, state))
+    return tr, state, hist
+
+
+def batches(n, B=4, L=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 200, size=(B, L), dtype=np.int32) for _ in range(n)]
+
+
+def leaves(t):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(t)]
+
+
+def test_diloco_M1_H1_lr1_mom0_equals_plain_training(tmp_path):
+    bs = batches(5)
+    dp, s_dp, _ = run_steps(tiny_config("dp", replicas=1), bs, tmp_path / "a")
+    dl, s_dl, _ = run_steps(tiny_config("diloco", replicas=1, H=1, **{"outer.lr": 1.0, "outer.momentum": 0.0}),
+                            bs, tmp_path / "b")
+    for a, b in zip(leaves(dp.eval_params(s_dp)), leaves(dl.eval_params(s_dl))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+
+
+def test_streaming_P1_tau0_alpha0_nocodec_equals_diloco(tmp_path):
+    bs = batches(6)
+    a, sa, _ = run_steps(tiny_config("diloco", H=3), bs, tmp_path / "a")
+    b, sb, _ = run_steps(tiny_config("streaming", H=3, layers_per_fragment=0, fragments=1, tau=0, alpha=0.0,
+                                     codec="none"), bs, tmp_path / "b")
+    for x, y in zip(leaves(sa), leaves(sb)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_two_replicas_on_identical_data_equal_one(tmp_path):
+    half = batches(6, B=2)
+    one, s1, _ = run_steps(tiny_config("diloco", H=2, replicas=1, batch_size=2), half, tmp_path / "a")
+    two, s2, _ = run_steps(tiny_config("diloco", H=2, replicas=2, batch_size=4),
+                           [np.concatenate([b, b]) for b in half], tmp_path / "b")
+    for x, y in zip(leaves(one.eval_params(s1)), leaves(two.eval_params(s2))):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+    r = leaves(s2["params"])
+    for x in r:
+        np.testing.assert_array_equal(x[0], x[1])
+
+
+def test_after_every_apply_replicas_hold_the_outer_fragment(tmp_path):
+    """α = 0: right after fragment p is applied, every replica's fragment p equals θ^g_p."""
+    cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, alpha=0.0, codec="e3m0")
+    tr, _, hist = run_steps(cfg, batches(13), tmp_path)
+    fr = tr.sync.frags
+    applied = 0
+    for t, st in enumerate(hist, start=1):
+        for p in tr.schedule.applies(t):
+            g = np.asarray(fr.flatten(st["outer"]["params"], p))
+            for m in range(cfg.replicas):
+                local = np.asarray(fr.flatten(jax.tree_util.tree_map(lambda x: x[m], st["params"]), p))
+                np.testing.assert_array_equal(local, g)
+            applied += 1
+    assert applied >= 3
+
+
+def test_bytes_streaming_equals_diloco_total_with_P_times_lower_peak(tmp_path):
+    """Over 3 full rounds of every fragment, Streaming moves what DiLoCo moves; its peak is P× lower."""
+    H, P = 4, 4  # 3 blocks of the tiny model + the embedding fragment ('own')
+
+    def run(method, **kw):
+        cfg = tiny_config(method, steps=3 * H + 3, H=H, checkpoint_every=100, eval_every=100, codec="e3m0",
+                          codec_block_size=32, **kw)
+        return train(cfg, tmp_path / method, progress=False)
+
+    d = run("diloco")
+    s = run("streaming", layers_per_fragment=1, embed_fragment="own", tau=1)
+    assert d["syncs"] == 3 and d["fragments"] == 1
+    assert s["fragments"] == P and s["syncs"] == 3 * P
+    assert abs(s["bytes_exchanged_total"] / d["bytes_exchanged_total"] - 1) < 0.002
+    assert abs(P * s["bytes_peak_per_sync"] / d["bytes_peak_per_sync"] - 1) < 0.02
+    # e3m0: half a byte per element + a 4-byte scale per 32 elements, per replica per sync
+    n = d["params"]
+    assert d["bytes_peak_per_sync"] == (n + 1) // 2 + 4 * -(-n // 32)
+    assert d["bytes_exchanged_total"] == 3 * 2 * d["bytes_peak_per_sync"]
+
+
+def test_dp_counts_bf16_gradients_every_step(tmp_path):
+    cfg = tiny_config("dp", steps=4, checkpoint_every=100, eval_every=100)
+    dp = train(cfg, tmp_path, progress=False)
+    assert dp["bytes_exchanged_total"] == 2 * dp["params"] * cfg.replicas * 4
+
+
+def test_fifty_steps_on_real_text_lower_eval_loss(tmp_path):
+    cfg = tiny_config("dp", steps=50, eval_every=50, log_every=10, checkpoint_every=100, batch_size=8, seq_len=64,
+                      **{"optimizer.lr": 5e-3, "optimizer.warmup_steps": 5})
+    s = train(cfg, tmp_path, progress=False)
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = rows[0]["train_loss"]
+    assert s["final_eval_loss"] < 0.7 * np.log(256), s["final_eval_loss"]  # well below a uniform byte model
+    assert rows[-1]["train_loss"] < first - 1.0
+    for k in ("step", "tokens", "train_loss", "lr", "bytes_exchanged", "seconds"):
+        assert k in rows[0]
+    for k in ("method", "steps", "tokens", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync",
+              "params", "params_sha256", "wall_seconds", "versions"):
+        assert k in s
+
+
+@pytest.mark.parametrize("method,extra", [("dp", {}), ("streaming", {"H": 4, "layers_per_fragment": 1, "tau": 2})])
+def test_resume_is_bit_identical(tmp_path, method, extra):
+    cfg = tiny_config(method, steps=9, checkpoint_every=3, **extra)
+    whole = train(cfg, tmp_path / "whole", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "cut", progress=False, stop_after=5)  # mid-flight: a fragment is pending
+    resumed = train(cfg, tmp_path / "cut", progress=False)
+    assert resumed["params_sha256"] == whole["params_sha256"]
+    assert resumed["bytes_exchanged_total"] == whole["bytes_exchanged_total"]
+    steps = [json.loads(l)["step"] for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # no duplicated rows after resume
+
+
+BAD = [
+    ({"nonsense_key": 1}, "nonsense_key"),
+    ({"scale": "70B"}, "scale"),
+    ({"seq_len": 4096}, "seq_len"),
+    ({"batch_size": 5}, "batch_size"),
+    ({"vocab": "wordpiece"}, "vocab"),
+    ({"data": "jsonl:/nonexistent/*.jsonl"}, "data"),
+    ({"tau": 30, "H": 30}, "tau"),
+    ({"alpha": 1.5}, "alpha"),
+    ({"codec": "fp3"}, "codec"),
+    ({"pattern": "random"}, "pattern"),
+    ({"fragments": 9}, "fragments"),
+    ({"method": "fedavg"}, "method"),
+]
+
+
+@pytest.mark.parametrize("override,field", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_names_the_field(override, field):
+    flat = dict(override)
+    try:
+        if "method" in flat:
+            from diloco.config import load_config
+            load_config("experiments/toy.py:diloco", [f"--config.method={flat['method']}"])
+        else:
+            tiny_config("streaming", **flat)
+    except ConfigError as e:
+        assert e.field.split(".")[-1] == field or field in e.field, str(e)
+        return
+    pytest.fail(f"no ConfigError for {override}")
+
+
+def test_cli_bad_input_exits_2_with_message(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--config", "experiments/toy.py:streaming",
+                        "--workdir", str(tmp_path), "--config.tau=40"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2
+    assert "tau" in r.stderr and "< H=30" in r.stderr
+
+
+def test_replica_mesh_on_eight_devices_matches_one_device():
+    """(replica=2, data=4) mesh on 8 fake CPU devices gives the single-device result."""
+    script = r"""
+import jax, jax.numpy as jnp, numpy as np, sys
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+from diloco.train import Trainer
+cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, codec="e3m0", batch_size=16)
+rng = np.random.default_rng(0)
+bs = [rng.integers(2, 200, size=(16, 32), dtype=np.int32) for _ in range(9)]
+out = []
+for devs in (jax.devices()[:1], jax.devices()):
+    tr = Trainer(cfg, "/tmp/unused", need_data=False, devices=devs)
+    st = tr.fresh_state(); inner = tr.inner_step_fn()
+    for t, b in enumerate(bs, 1):
+        st, _, _ = inner(st, jax.device_put(b.reshape(2, 8, 32), tr.batch_sharding))
+        st, _ = tr.run_syncs(st, t)
+    out.append(st)
+    print("mesh", dict(tr.mesh.shape))
+a, b = out
+for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+# the replicated outer state is the same on every device
+for leaf in jax.tree_util.tree_leaves(b["outer"]):
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert all(np.array_equal(shards[0], s) for s in shards[1:])
+print("OK")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TF_CPP_MIN_LOG_LEVEL="3")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "'replica': 2, 'data': 4" in r.stdout
