@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch_size", type=int, default=32)
     ap.add_argument("--max_len", type=int, default=None, help="context window (default: seq_len)")
     ap.add_argument("--num_fewshot", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0, help="few-shot sampling seed (lm-eval's: 1234)")
+    ap.add_argument("--seed", type=int, default=1234, help="few-shot sampling seed (1234 = lm-eval's default)")
     ap.add_argument("--no_summary", action="store_true", help="do not merge into summary.json")
     args = ap.parse_args(argv)
     try:
