@@ -169,16 +169,24 @@ class Trainer:
         logits = self.model.apply({"params": params}, tokens_BxL)
         return self._loss_fn(logits, tokens_BxL, self.cfg.model.z_loss)
 
-    def inner_step_fn(self):
-        """(state, tokens_RxBxL, grad_mask) → (state, loss_R, finite). One AdamW step per replica."""
-        if "inner" in self._jit_cache:
-            return self._jit_cache["inner"]
+    def inner_step_fn(self, active: int | None = None):
+        """(state, tokens_RxBxL) → (state, ce_R, finite_R): one AdamW step per replica.
+
+        `active=p` trains only fragment p (the FedPart-style frozen-fragment baseline)."""
+        if ("inner", active) in self._jit_cache:
+            return self._jit_cache[("inner", active)]
         jax, jnp = self.jax, self.jnp
         import optax
+
+        mask = None
+        if active is not None:
+            mask = self.sync.frags.mask_tree(jax.eval_shape(self._init_params), active)
 
         def one(params, opt, tokens):
             (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(params, tokens)
             updates, opt2 = self.tx.update(grads, opt, params)
+            if mask is not None:
+                updates = jax.tree_util.tree_map(lambda u, m: jnp.where(m, u, 0), updates, mask)
             finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
             return optax.apply_updates(params, updates), opt2, aux["ce"], finite
 
@@ -191,7 +199,7 @@ class Trainer:
             return new, ce_R, fin_R
 
         fn = jax.jit(step, donate_argnums=(0,))
-        self._jit_cache["inner"] = fn
+        self._jit_cache[("inner", active)] = fn
         return fn
 
     def eval_fn(self):
@@ -308,6 +316,8 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
         for t in range(start + 1, cfg.steps + 1):
             tokens = data.next_batch() if hasattr(data, "next_batch") else next(data)
             tokens_RxBxL = jax.device_put(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
+            if cfg.freeze_non_syncing and tr.schedule is not None:
+                inner = tr.inner_step_fn(active=tr.schedule.next_sender(t))
             state, ce_R, fin_R = inner(state, tokens_RxBxL)
             ce_R = np.asarray(ce_R)
             if not np.all(np.asarray(fin_R)):

@@ -61,6 +61,15 @@ class Schedule:
         """Fragments applied at t (homogeneous τ: outer update and merge happen together)."""
         return sorted({p for p, _ in self.merges(t)} | set(self.outer_updates(t)))
 
+    def next_sender(self, t: int) -> int:
+        """The fragment whose next send comes first at or after step t (FedPart-style training)."""
+        def next_send(p: int) -> int:
+            o = self.offset(p)
+            k = max(1, -(-(t - o) // self.H))
+            return o + k * self.H
+
+        return min(range(self.P), key=next_send)
+
     def table(self, steps: int) -> list[tuple[int, list[int], list[int]]]:
         return [(t, self.sends(t), self.applies(t)) for t in range(1, steps + 1)]
 
