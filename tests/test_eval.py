@@ -400,5 +400,5 @@ def test_trained_toy_checkpoint_native_vs_lm_eval_cli(tmp_path, data):
         rows = [r for r in native if r["task"] == task]
         assert len(rows) == len(samples) == 25
         for r, s in zip(rows, samples):
-            assert [x[0][0] for x in s["resps"]] == pytest.approx(r["loglikelihoods"], abs=1e-3)
-            assert (s["acc"], s["acc_norm"]) == (float(r["pred"] == r["label"]), float(r["pred_norm"] == r["label"]))
+            assert [float(x[0][0]) for x in s["resps"]] == pytest.approx(r["loglikelihoods"], abs=1e-3)
+            assert (float(s["acc"]), float(s["acc_norm"])) == (float(r["pred"] == r["label"]), float(r["pred_norm"] == r["label"]))
