@@ -155,10 +155,17 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     from diloco.outer.codecs import encoded_nbytes, make_codec
 
+    from diloco.model.scales import SCALES
+
+    if cfg.method == "dp":
+        print("method=dp has no fragments (gradients are averaged every step); use :diloco or :streaming")
+        return 2
     params = abstract_params(cfg)
-    frags = make_fragments(params, cfg.model_layers, cfg.layers_per_fragment, cfg.fragments,
+    frags = make_fragments(params, SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments,
                            cfg.pattern, cfg.embed_fragment)
-    codec = make_codec(args.codec or cfg.codec, cfg.codec_block_size, cfg.codec_rounding)
+    from diloco.config import _keep
+
+    codec = make_codec(args.codec or cfg.codec, cfg.codec_block_size, cfg.codec_rounding, **_keep(cfg))
     total = sum(frags.sizes)
     print(f"{frags.P} fragments, pattern={cfg.pattern}, embed_fragment={cfg.embed_fragment}, codec={codec.name}")
     for p in range(frags.P):
