@@ -1,0 +1,364 @@
+"""`diloco sweep sweeps/<name>.py[:arg] --root DIR`: run every point of a sweep, resumably.
+
+A sweep file defines `get_sweep(arg: str) -> dict` with
+  name        folder under --root (default: the file's stem)
+  experiment  the spec every point starts from, e.g. "experiments/ablate_tau.py:toy"
+  points      list of dicts: config overrides ({"tau": 5, "alpha": 0.5}); the key "arg" replaces the
+              spec's argument (after the colon). Build them with product(...) / zip_(...) below.
+A point runs as `python -m diloco.cli train --config SPEC --workdir ROOT/NAME/POINT --config.k=v…` in
+its own process: a finished point (summary.json) is skipped, a failing one leaves failed.json with
+the error tail and the rest go on, a per-point lock keeps two sweeps on one root off the same point.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from diloco.errors import ConfigError
+
+LOCK = ".lock"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- building points ---------------------------------------------------------------------------------
+def product(*groups: list[dict], **axes: list) -> list[dict]:
+    """Cartesian product of axes (and of lists of partial points): product(tau=[0, 1], alpha=[0, .5])."""
+    lists = [list(g) for g in groups] + [[{k: v} for v in vals] for k, vals in axes.items()]
+    for k, vals in axes.items():
+        if not isinstance(vals, (list, tuple)) or not vals:
+            raise ConfigError(f"sweep.{k}", f"axis {k!r} needs a non-empty list of values, got {vals!r}")
+    return [dict(itertools.chain.from_iterable(d.items() for d in combo)) for combo in itertools.product(*lists)]
+
+
+def zip_(**axes: list) -> list[dict]:
+    """Axes zipped element-wise: zip_(codec=["topk", "dare"], codec_keep_fraction=[0.0625, 0.125])."""
+    lens = {k: len(v) for k, v in axes.items()}
+    if len(set(lens.values())) > 1:
+        raise ConfigError("sweep", f"zip_ axes need equal lengths, got {lens}")
+    return [dict(zip(axes, vals)) for vals in zip(*axes.values())]
+
+
+# -- loading a sweep ---------------------------------------------------------------------------------
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def point_name(point: dict) -> str:
+    """Stable, filesystem-safe: {"arg": "toy,2,local", "tau": 5} → "toy+2+local,tau=5"."""
+    if not point:
+        return "default"
+    parts = [_fmt(v) if k == "arg" else f"{k}={_fmt(v)}" for k, v in point.items()]
+    name = ",".join(re.sub(r"[^A-Za-z0-9._=+-]", "-", p.replace(",", "+")) for p in parts)
+    return name[:200]
+
+
+def load_sweep(spec: str) -> dict:
+    """`sweeps/x.py[:arg]` → {"name", "experiment", "points": [{"name", "spec", "overrides", "point"}]}."""
+    path, _, arg = spec.partition(":")
+    p = Path(path)
+    if not p.exists() and (REPO_ROOT / path).exists():
+        p = REPO_ROOT / path
+    if not p.is_file():
+        raise ConfigError("sweep", f"sweep file {path!r} not found; e.g. diloco sweep sweeps/tau_alpha.py --root runs")
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    mod_spec = importlib.util.spec_from_file_location(f"_sweep_{p.stem}", p)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    if not hasattr(mod, "get_sweep"):
+        raise ConfigError("sweep", f"{p} defines no get_sweep(arg) -> dict(experiment=…, points=[…])")
+    raw = mod.get_sweep(arg) if arg else mod.get_sweep()
+    for k in ("experiment", "points"):
+        if k not in raw:
+            raise ConfigError(f"sweep.{k}", f"{p}: get_sweep() must return a dict with {k!r}")
+    name = raw.get("name") or p.stem
+    exp_path, _, exp_arg = raw["experiment"].partition(":")
+    points, seen = [], {}
+    for pt in raw["points"] or [{}]:
+        pt = dict(pt)
+        a = pt.get("arg", exp_arg)
+        overrides = [f"--config.{k}={_fmt(v)}" for k, v in pt.items() if k != "arg"]
+        pname = point_name(pt)
+        if pname in seen:
+            raise ConfigError("sweep.points", f"two points map to the same folder {pname!r}: {seen[pname]} and {pt}")
+        seen[pname] = pt
+        points.append({"name": pname, "spec": f"{exp_path}:{a}" if a else exp_path, "overrides": overrides,
+                       "point": pt})
+    return {"name": name, "experiment": raw["experiment"], "points": points, "file": str(p), "arg": arg}
+
+
+def train_command(point: dict, workdir: Path, extra: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "diloco.cli", "train", "--config", point["spec"], "--workdir", str(workdir),
+            "--no_progress", *point["overrides"], *extra]
+
+
+# -- locks -------------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(workdir: Path) -> bool:
+    """O_CREAT|O_EXCL lock file holding host:pid. A lock of a dead process on this host is stale and
+    taken over; a live one (or one from another host) means someone else runs the point."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = workdir / LOCK
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                host, _, pid = lock.read_text().strip().rpartition(":")
+            except FileNotFoundError:
+                continue  # released meanwhile; try again
+            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                stale = lock.with_name(f"{LOCK}.stale.{os.getpid()}")
+                try:
+                    os.replace(lock, stale)  # only one taker wins the rename
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return True
+    return False
+
+
+def release_lock(workdir: Path) -> None:
+    lock = workdir / LOCK
+    try:
+        if lock.read_text().strip() == f"{socket.gethostname()}:{os.getpid()}":
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+# -- running -----------------------------------------------------------------------------------------
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    keep = [l for l in lines if not l.startswith(("I0000", "W0000", "WARNING: All log"))]
+    return "\n".join(keep[-n:])
+
+
+def _last_step(workdir: Path) -> int:
+    try:
+        with open(workdir / "metrics.jsonl", "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 600))
+            last = f.read().decode(errors="replace").strip().splitlines()[-1]
+        return int(json.loads(last)["step"])
+    except (OSError, IndexError, ValueError, KeyError):
+        return 0
+
+
+def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None) -> dict:
+    """Run one point to completion in a subprocess. Returns a result row (status done|skipped|locked|failed)."""
+    from diloco.checkpoint import atomic_write_json
+
+    wd = root / sweep["name"] / point["name"]
+    row = {"sweep": sweep["name"], "point": point["name"], "workdir": str(wd)}
+    if (wd / "summary.json").exists():
+        return {**row, "status": "skipped", **_summary_bits(wd)}
+    if not acquire_lock(wd):
+        return {**row, "status": "locked"}
+    try:
+        if (wd / "summary.json").exists():  # finished by another sweep between the check and the lock
+            return {**row, "status": "skipped", **_summary_bits(wd)}
+        cmd = train_command(point, wd, extra)
+        atomic_write_json(wd / "point.json", {"sweep": sweep["name"], "sweep_file": sweep["file"],
+                                              "sweep_arg": sweep["arg"], "experiment": sweep["experiment"],
+                                              "spec": point["spec"], "point": point["point"],
+                                              "overrides": [*point["overrides"], *extra],
+                                              "command": shlex.join(cmd)})
+        t0 = time.time()
+        with open(wd / "train.log", "a") as log:
+            log.write(f"\n$ {shlex.join(cmd)}\n")
+            log.flush()
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
+                                env={**os.environ, **(env or {})}).returncode
+        secs = round(time.time() - t0, 1)
+        if rc == 0 and (wd / "summary.json").exists():
+            (wd / "failed.json").unlink(missing_ok=True)
+            return {**row, "status": "done", "seconds": secs, **_summary_bits(wd)}
+        err = _tail(wd / "train.log")
+        atomic_write_json(wd / "failed.json", {"returncode": rc, "command": shlex.join(cmd), "seconds": secs,
+                                               "error_tail": err, "time": time.strftime("%Y-%m-%d %H:%M:%S")})
+        return {**row, "status": "failed", "seconds": secs, "returncode": rc,
+                "error": (err.splitlines() or [""])[-1][:160]}
+    finally:
+        release_lock(wd)
+
+
+def _summary_bits(wd: Path) -> dict:
+    try:
+        s = json.loads((wd / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: s.get(k) for k in ("final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "wall_seconds")}
+
+
+def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: list[str] = (),
+              only: str = "", quiet: bool = False, env: dict | None = None) -> list[dict]:
+    """Every point of `sweep` under root, `workers` at a time; prints progress lines."""
+    root = Path(root)
+    pts = [p for p in sweep["points"] if only in p["name"]]
+    n, done, lock = len(pts), [0], threading.Lock()
+    running: dict[str, Path] = {}
+    stop = threading.Event()
+    say = (lambda *a: None) if quiet else (lambda msg: print(msg, flush=True))
+    say(f"[{sweep['name']}] {n} point(s) under {root / sweep['name']} ({workers} at a time)")
+
+    def ticker():
+        while not stop.wait(20):
+            with lock:
+                now = ", ".join(f"{k} @ step {_last_step(v)}" for k, v in running.items())
+            if now:
+                say(f"[{sweep['name']}] {done[0]}/{n} finished; running: {now}")
+
+    def one(pt):
+        wd = root / sweep["name"] / pt["name"]
+        with lock:
+            running[pt["name"]] = wd
+        try:
+            r = run_point(sweep, pt, root, extra, env)
+        finally:
+            with lock:
+                running.pop(pt["name"], None)
+                done[0] += 1
+        loss = r.get("final_eval_loss")
+        msg = f"[{sweep['name']}] {done[0]}/{n} {r['status']:<7} {pt['name']}"
+        if loss is not None:
+            msg += f"  eval_loss={loss:.4f}"
+        if r.get("seconds"):
+            msg += f"  ({r['seconds']:.0f}s)"
+        if r["status"] == "failed":
+            msg += f"  rc={r['returncode']}: {r['error']}  → {wd / 'failed.json'}"
+        say(msg)
+        return r
+
+    t = threading.Thread(target=ticker, daemon=True)
+    t.start()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+            results = list(ex.map(one, pts))
+    finally:
+        stop.set()
+    return results
+
+
+def format_table(results: list[dict]) -> str:
+    head = f"{'status':<8} {'eval_loss':>9} {'bytes_total':>12} {'peak/sync':>10} {'wall_s':>7}  point"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        loss = r.get("final_eval_loss")
+        lines.append(f"{r['status']:<8} {loss if loss is None else f'{loss:.4f}':>9} "
+                     f"{r.get('bytes_exchanged_total') or '':>12} {r.get('bytes_peak_per_sync') or '':>10} "
+                     f"{r.get('wall_seconds') or '':>7}  {r['point']}")
+    counts = {s: sum(r["status"] == s for r in results) for s in ("done", "skipped", "failed", "locked")}
+    lines.append(", ".join(f"{v} {k}" for k, v in counts.items() if v) or "nothing to run")
+    return "\n".join(lines)
+
+
+# -- Cloud TPU ---------------------------------------------------------------------------------------
+TPU_PRELUDE = "import jax; jax.distributed.initialize(); import sys; from diloco.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def tpu_script(sweep: dict, root: str, tpu: str, zone: str, project: str = "", repo_dir: str = "~/diloco",
+               extra: list[str] = ()) -> str:
+    """A bash script: for each point, ssh to every worker of the TPU VM slice and start the same
+    training process there; each calls jax.distributed.initialize() (coordinator, process ids and
+    count are discovered from the TPU metadata) before `diloco train`."""
+    proj = f" --project={shlex.quote(project)}" if project else ""
+    lines = ["#!/usr/bin/env bash", f"# {sweep['name']}: {len(sweep['points'])} point(s) on TPU VM {tpu} ({zone})",
+             "# generated by: diloco sweep " + shlex.join([sweep["file"] + (':' + sweep['arg'] if sweep['arg'] else ''),
+                                                           "--root", root, "--launch", "tpu", "--tpu", tpu,
+                                                           "--zone", zone]),
+             "set -euo pipefail", ""]
+    for pt in sweep["points"]:
+        wd = f"{root.rstrip('/')}/{sweep['name']}/{pt['name']}"
+        args = ["train", "--config", pt["spec"], "--workdir", wd, "--no_progress", *pt["overrides"], *extra]
+        remote = (f"cd {repo_dir} && test -f {shlex.quote(wd)}/summary.json || "
+                  f"python3 -c {shlex.quote(TPU_PRELUDE)} {shlex.join(args)}")
+        lines.append(f"echo '== {pt['name']}'")
+        lines.append(f"gcloud compute tpus tpu-vm ssh {shlex.quote(tpu)} --zone={shlex.quote(zone)}{proj} "
+                     f"--worker=all --command={shlex.quote(remote)} || echo 'FAILED {pt['name']}' >&2")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="diloco sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep", help="sweeps/<name>.py[:arg], e.g. sweeps/tau_alpha.py:toy")
+    ap.add_argument("--root", required=True, help="folder that gets <sweep name>/<point>/ workdirs")
+    ap.add_argument("--workers", "-j", type=int, default=1, help="points run at once (processes)")
+    ap.add_argument("--only", default="", help="run only points whose folder name contains this")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra --config.KEY=VALUE for every point (changes the run: use a new --root)")
+    ap.add_argument("--dry-run", "--dry_run", action="store_true", help="print the exact commands, run nothing")
+    ap.add_argument("--launch", choices=("local", "tpu"), default="local")
+    ap.add_argument("--tpu", help="TPU VM (pod slice) name, for --launch tpu")
+    ap.add_argument("--zone", help="its zone, for --launch tpu")
+    ap.add_argument("--project", default="", help="GCP project (default: gcloud's)")
+    ap.add_argument("--repo-dir", default="~/diloco", help="where this repo is checked out on every TPU worker")
+    ap.add_argument("--execute", action="store_true", help="with --launch tpu: run the script after writing it")
+    args = ap.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep)
+        extra = []
+        for s in args.set:
+            k, eq, v = s.partition("=")
+            if not eq or not k:
+                raise ConfigError("--set", f"{s!r} must look like KEY=VALUE, e.g. --set steps=50")
+            extra.append(f"--config.{k.removeprefix('--config.')}={v}")
+        if args.launch == "tpu":
+            if not (args.tpu and args.zone):
+                raise ConfigError("--tpu", "--launch tpu needs --tpu <name> and --zone <zone>")
+            text = tpu_script(sweep, args.root, args.tpu, args.zone, args.project, args.repo_dir, extra)
+            out = Path(args.root) / sweep["name"] / "launch_tpu.sh"
+            if args.dry_run:
+                print(text, end="")
+                return 0
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            out.chmod(0o755)
+            print(f"wrote {out}" + ("" if args.execute else "  (run it, or pass --execute)"))
+            return subprocess.run(["bash", str(out)]).returncode if args.execute else 0
+        if args.dry_run:
+            for pt in sweep["points"]:
+                if args.only in pt["name"]:
+                    wd = Path(args.root) / sweep["name"] / pt["name"]
+                    state = "  # done" if (wd / "summary.json").exists() else ""
+                    print(shlex.join(train_command(pt, wd, extra)) + state)
+            return 0
+    except ConfigError as e:
+        print(f"diloco sweep: bad input: {e}", file=sys.stderr)
+        return 2
+    results = run_sweep(sweep, args.root, args.workers, extra, args.only)
+    print(format_table(results))
+    return 1 if any(r["status"] == "failed" for r in results) else 0
