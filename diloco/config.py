@@ -107,6 +107,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
     _one_of(cfg, "faults.nan_policy", ("stop", "skip"))
+    _validate_faults(cfg)
     if cfg.method != "dp":
         from diloco.outer.codecs import make_codec
         from diloco.outer.fragments import num_fragments, PATTERNS
@@ -130,6 +131,28 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         from diloco.data import validate_data
 
         validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len)
+
+
+def _validate_faults(cfg) -> None:
+    f, R = cfg.faults, 1 if cfg.method == "dp" else cfg.replicas
+    _one_of(cfg, "faults.nan_target", ("loss", "outer"))
+    _one_of(cfg, "faults.nan_value", ("nan", "inf"))
+    for k in ("miss_sync_step", "restart_step", "nan_step"):
+        if not 0 <= f[k] <= cfg.steps:
+            raise ConfigError(f"faults.{k}", f"{f[k]} must be a step in 1..steps={cfg.steps} (0: off)")
+    if not 0 <= f.nan_replica < R:
+        raise ConfigError("faults.nan_replica", f"{f.nan_replica} is not a replica index in 0..{R - 1}")
+    if f.nan_target == "outer" and cfg.method == "dp":
+        raise ConfigError("faults.nan_target", "'outer' needs method diloco or streaming (dp has no outer step)")
+    for k, step in (("miss_sync_replica", "miss_sync_step"), ("restart_replica", "restart_step")):
+        if f[k] == -1:
+            continue
+        if cfg.method == "dp":
+            raise ConfigError(f"faults.{k}", "replica faults need method diloco or streaming; dp has one replica")
+        if not 0 <= f[k] < R:
+            raise ConfigError(f"faults.{k}", f"{f[k]} must be -1 (off) or a replica index in 0..{R - 1}")
+        if f[step] < 1:
+            raise ConfigError(f"faults.{step}", f"set faults.{step} ≥ 1: the step at which replica {f[k]} faults")
 
 
 def _keep(cfg) -> dict:

@@ -170,7 +170,9 @@ class Trainer:
         return self._loss_fn(logits, tokens_BxL, self.cfg.model.z_loss)
 
     def inner_step_fn(self, active: int | None = None):
-        """(state, tokens_RxBxL) → (state, ce_R, finite_R): one AdamW step per replica.
+        """(state, tokens_RxBxL[, poison_R]) → (state, ce_R, finite_R): one AdamW step per replica.
+
+        `poison_R` (fault injection only) multiplies each replica's loss: 1, nan or inf.
 
         `active=p` trains only fragment p (the FedPart-style frozen-fragment baseline)."""
         if ("inner", active) in self._jit_cache:
@@ -182,16 +184,18 @@ class Trainer:
         if active is not None:
             mask = self.sync.frags.mask_tree(jax.eval_shape(self._init_params), active)
 
-        def one(params, opt, tokens):
-            (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(params, tokens)
+        def one(params, opt, tokens, *poison):
+            lossf = self._loss if not poison else (
+                lambda p, x: jax.tree_util.tree_map(lambda v: v * poison[0], self._loss(p, x)))
+            (loss, aux), grads = jax.value_and_grad(lossf, has_aux=True)(params, tokens)
             updates, opt2 = self.tx.update(grads, opt, params)
             if mask is not None:
                 updates = jax.tree_util.tree_map(lambda u, m: jnp.where(m, u, 0), updates, mask)
             finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
             return optax.apply_updates(params, updates), opt2, aux["ce"], finite
 
-        def step(state, tokens_RxBxL):
-            p, o, ce_R, fin_R = jax.vmap(one)(state["params"], state["opt"], tokens_RxBxL)
+        def step(state, tokens_RxBxL, *poison_R):
+            p, o, ce_R, fin_R = jax.vmap(one)(state["params"], state["opt"], tokens_RxBxL, *poison_R)
             ok = jnp.all(fin_R)
             keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
             new = {**state, "params": keep(p, state["params"]), "opt": keep(o, state["opt"]),
@@ -272,7 +276,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
 
     tr = Trainer(cfg, workdir)
     ck = Checkpointer(workdir, cfg.keep_checkpoints)
-    got = ck.restore(tr.abstract_state())
+    got = ck.restore(tr.abstract_state(), quarantine=True)
     data = TokenBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, split="train", seed=cfg.seed,
                         data_dir=cfg.data_dir or None)
     counters = {"bytes_exchanged": 0, "bytes_peak_per_sync": 0, "bytes_per_fragment": {}, "syncs": 0,
@@ -303,11 +307,12 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
         return float(np.mean([float(ev(params, b)) for b in evals]))
 
     def save(step, st):
-        ck.save(step, st, {"data": data.get_state(), "counters": counters, "step": step})
+        ck.save(step, st, {"data": data.get_state(), "counters": counters, "step": step,
+                           "pending_losses": losses})
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0 = time.time() - counters["wall_seconds"]
-    losses: list[float] = []
+    losses: list[float] = list(got[2].get("pending_losses", [])) if got else []  # since the last metrics row
     last_log_time, last_log_step = time.time(), start
     bar = _progress(start, cfg.steps, progress)
     faults = cfg.faults
@@ -318,7 +323,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             tokens_RxBxL = jax.device_put(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
             if cfg.freeze_non_syncing and tr.schedule is not None:
                 inner = tr.inner_step_fn(active=tr.schedule.next_sender(t))
-            state, ce_R, fin_R = inner(state, tokens_RxBxL)
+            state, ce_R, fin_R = inner(state, tokens_RxBxL, *_fault_poison(cfg, tr.R, t, "loss"))
             ce_R = np.asarray(ce_R)
             if not np.all(np.asarray(fin_R)):
                 bad = [m for m, f in enumerate(np.asarray(fin_R)) if not f]
@@ -336,9 +341,12 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             if tr.sync is not None:
                 if faults.restart_replica >= 0 and t == faults.restart_step:
                     state = _restart_replica(tr, state, faults.restart_replica)
+                for v in _fault_poison(cfg, tr.R, t, "outer"):  # replica's params go bad before the send
+                    state = {**state, "params": jax.tree_util.tree_map(
+                        lambda x: x * v.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), state["params"])}
                 state, sent = tr.run_syncs(state, t, contrib=contrib)
                 for p, nb in sent:
-                    _check_pending_finite(state, p, t)
+                    _check_pending_finite(state, p, t, max(ck.steps(), default=0))
                     counters["bytes_exchanged"] += nb
                     counters["syncs"] += 1
                     key = str(p)
@@ -375,7 +383,8 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             if stop_after is not None and t == stop_after:
                 stop["signal"] = "SIGTERM"
             if stop["signal"]:
-                save(t, state)
+                if t not in ck.steps():  # a checkpoint step already saved this state
+                    save(t, state)
                 bar.close()
                 msg = (f"{stop['signal']}: saved a checkpoint at step {t} in {workdir / 'ckpt'}; "
                        "run the same command to resume")
@@ -492,6 +501,20 @@ def _fault_contrib(cfg):
     return contrib
 
 
+def _fault_poison(cfg, R: int, t: int, target: str) -> tuple:
+    """faults.nan_step: () on other steps, else a per-replica multiplier (1, or nan/inf for nan_replica)."""
+    f = cfg.faults
+    if f.nan_step != t or f.nan_target != target:
+        return ()
+    s = np.ones(R, np.float32)
+    s[f.nan_replica] = np.nan if f.nan_value == "nan" else np.inf
+    print(f"step {t}: injecting {f.nan_value} into replica {f.nan_replica}'s {target} (faults.nan_step)",
+          file=sys.stderr)
+    import jax.numpy as jnp
+
+    return (jnp.asarray(s),)
+
+
 def _restart_replica(tr: Trainer, state, m: int):
     """Replica m loses its state and restarts from the outer params (fresh AdamW state)."""
     jax = tr.jax
@@ -502,11 +525,20 @@ def _restart_replica(tr: Trainer, state, m: int):
     return {**state, "params": params, "opt": opt}
 
 
-def _check_pending_finite(state, p: int, t: int) -> None:
+def _check_pending_finite(state, p: int, t: int, last_ckpt: int = 0) -> None:
     v = np.asarray(state["outer"]["pending"][p])
     if not np.all(np.isfinite(v)):
+        leaves = [np.asarray(x) for x in state_leaves(state["params"])]
+        bad = [m for m in range(leaves[0].shape[0]) if not all(np.isfinite(x[m]).all() for x in leaves)]
         raise NumericalFault(f"step {t}: the averaged outer gradient of fragment {p} is not finite "
-                             f"({int((~np.isfinite(v)).sum())} bad values); the last good checkpoint is kept")
+                             f"({int((~np.isfinite(v)).sum())} bad values; non-finite parameters on replica(s) "
+                             f"{bad}); the run stopped and the last good checkpoint (step {last_ckpt}) is kept")
+
+
+def state_leaves(tree) -> list:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
 
 
 def _downstream_due(cfg, t: int) -> bool:
@@ -516,7 +548,9 @@ def _downstream_due(cfg, t: int) -> bool:
 def _run_downstream(tr: Trainer, state, workdir: Path, cfg, write: bool = True) -> dict:
     from diloco.eval import evaluate
 
-    res = evaluate(lambda p, x: tr.model.apply({"params": p}, x), tr.eval_params(state), tr.vocab,
+    if "apply" not in tr._jit_cache:  # one apply_fn per trainer: the scorer's jit cache keys on it
+        tr._jit_cache["apply"] = lambda p, x: tr.model.apply({"params": p}, x)
+    res = evaluate(tr._jit_cache["apply"], tr.eval_params(state), tr.vocab,
                    [t for t in cfg.downstream.tasks.split(",") if t], cfg.downstream.data_dir or None,
                    cfg.downstream.limit or None, cfg.seq_len)
     if write:

@@ -45,5 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.faults = ml_collections.ConfigDict(dict(
         miss_sync_replica=-1, miss_sync_step=0,           # replica m skips the send at that step
         restart_replica=-1, restart_step=0,               # replica m restarts from the outer params
-        nan_policy="stop"))                               # stop | skip (skip the bad batch)
+        nan_policy="stop",                                # stop | skip (skip the bad batch)
+        nan_step=0, nan_replica=0,                        # inject a non-finite value at that step (0: off)
+        nan_target="loss", nan_value="nan"))              # loss | outer (replica params before a send); nan | inf
     return c
