@@ -263,8 +263,11 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     from diloco.config import to_json, validate
     from diloco.data import TokenBatches, corpus_info, eval_batches
     from diloco.outer.sync import params_sha256
+    from diloco import distributed as dist
 
-    validate(cfg, check_data=True, num_devices=jax.device_count())
+    dist.initialize_from_env()  # multi-process (diloco launch): before any other JAX use
+    primary = dist.is_primary()
+    validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_json = to_json(cfg)
@@ -272,9 +275,10 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     if old.exists() and json.loads(old.read_text()) != json.loads(cfg_json):
         raise ConfigError("workdir", f"{workdir} holds a run with a different config; use a new --workdir "
                           "or delete it (diff the two config.json files to see what changed)")
-    atomic_write_text(old, cfg_json)
+    if primary:
+        atomic_write_text(old, cfg_json)
 
-    tr = Trainer(cfg, workdir)
+    tr = Trainer(cfg, workdir, devices=dist.compute_devices())
     ck = Checkpointer(workdir, cfg.keep_checkpoints)
     got = ck.restore(tr.abstract_state(), quarantine=True)
     data = TokenBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, split="train", seed=cfg.seed,
@@ -289,10 +293,11 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
         counters.update(meta["counters"])
         print(f"resumed {workdir} at step {start}", file=sys.stderr)
     metrics_path = workdir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start)
-    evals = [jnp.asarray(b) for b in eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R,
+    if primary:
+        _truncate_metrics(metrics_path, start)
+    evals = [dist.global_array(np.asarray(b), tr.repl_sharding) for b in eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R,
                                                    cfg.eval_batches, data_dir=cfg.data_dir or None)]
-    tb = _tb_writer(workdir)
+    tb = _tb_writer(workdir) if primary else None
     inner = tr.inner_step_fn()
     ev = tr.eval_fn()
     stop = {"signal": None}
@@ -320,11 +325,11 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     try:
         for t in range(start + 1, cfg.steps + 1):
             tokens = data.next_batch() if hasattr(data, "next_batch") else next(data)
-            tokens_RxBxL = jax.device_put(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
+            tokens_RxBxL = dist.global_array(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
             if cfg.freeze_non_syncing and tr.schedule is not None:
                 inner = tr.inner_step_fn(active=tr.schedule.next_sender(t))
             state, ce_R, fin_R = inner(state, tokens_RxBxL, *_fault_poison(cfg, tr.R, t, "loss"))
-            ce_R = np.asarray(ce_R)
+            ce_R, fin_R = dist.to_host(ce_R), dist.to_host(fin_R)
             if not np.all(np.asarray(fin_R)):
                 bad = [m for m, f in enumerate(np.asarray(fin_R)) if not f]
                 if faults.nan_policy == "skip":
@@ -372,12 +377,13 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
                 losses = []
                 if t % cfg.eval_every == 0 or t == cfg.steps:
                     row["eval_loss"] = eval_loss(state)
-                _append_metrics(metrics_path, row)
+                if primary:
+                    _append_metrics(metrics_path, row)
                 _tb_log(tb, row)
                 bar.set_postfix(loss=f"{row['train_loss'] or float('nan'):.3f}",
                                 eval=f"{row.get('eval_loss', float('nan')):.3f}", tok_s=f"{tok_s:,.0f}")
             if _downstream_due(cfg, t):
-                _run_downstream(tr, state, workdir, cfg)
+                _run_downstream(tr, state, workdir, cfg, write=primary)
             if t % cfg.checkpoint_every == 0 and t != cfg.steps:
                 save(t, state)
             if stop_after is not None and t == stop_after:
@@ -419,7 +425,8 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     })
     if cfg.downstream.tasks:
         summary["downstream"] = _run_downstream(tr, state, workdir, cfg, write=False)
-    atomic_write_json(workdir / "summary.json", summary)
+    if primary:
+        atomic_write_json(workdir / "summary.json", summary)
     return summary
 
 

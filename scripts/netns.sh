@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Throttled links between replica processes on one machine (root; Debian's iproute2).
+#
+#   scripts/netns.sh up M RATE [DELAY]   # e.g. up 2 100mbit 1ms
+#   scripts/netns.sh shape M RATE [DELAY] # change rate/delay of existing links
+#   scripts/netns.sh down M
+#   scripts/netns.sh status M
+#
+# Topology: replica i (0-based) lives in network namespace `dlrep$i` with one interface
+# `eth0` = 10.77.0.$((i+1))/24, a veth pair whose other end `dlv$i` sits on bridge `dlbr0` in the
+# root namespace. Every replica's egress (eth0 inside its namespace) is shaped by a token
+# bucket (tbf) at RATE (tc units: 100mbit, 1gbit, …), with a netem child adding a one-way DELAY
+# when DELAY is not 0ms (needs the sch_netem kernel module; the script says so if it is missing). A transfer between two
+# replicas therefore crosses exactly one shaped hop per direction, like one datacenter uplink.
+# Run a command in replica i's namespace with `ip netns exec dlrep$i CMD`; `diloco launch
+# --netns` does that for you (process i → dlrep$i, coordinator on 10.77.0.1).
+set -euo pipefail
+
+cmd=${1:?usage: $0 up|shape|down|status M [RATE] [DELAY]}
+M=${2:?number of replicas M}
+RATE=${3:-1gbit}
+DELAY=${4:-0ms}
+BR=dlbr0
+
+need_root() { [ "$(id -u)" = 0 ] || { echo "netns.sh: needs root (ip netns, tc)" >&2; exit 1; }; }
+
+shape() {  # shape NS RATE DELAY
+  local ns=$1
+  ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
+  ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: tbf rate "$2" burst 256kb latency 1s
+  if [ "$3" != 0ms ] && [ "$3" != 0 ]; then
+    ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: netem delay "$3" limit 100000 || {
+      echo "netns.sh: netem (sch_netem) unavailable in this kernel: $ns has rate $2 but no added delay" >&2; }
+  fi
+}
+
+up() {
+  need_root
+  ip link show "$BR" >/dev/null 2>&1 || { ip link add "$BR" type bridge; ip link set "$BR" up; }
+  for ((i = 0; i < M; i++)); do
+    local ns=dlrep$i
+    ip netns list | grep -qw "$ns" || ip netns add "$ns"
+    if ! ip link show "dlv$i" >/dev/null 2>&1; then
+      ip link add "dlv$i" type veth peer name "dlp$i"
+      ip link set "dlp$i" netns "$ns"
+      ip netns exec "$ns" ip link set "dlp$i" name eth0
+      ip link set "dlv$i" master "$BR"
+      ip link set "dlv$i" up
+      ip netns exec "$ns" ip addr add "10.77.0.$((i + 1))/24" dev eth0
+      ip netns exec "$ns" ip link set eth0 up
+      ip netns exec "$ns" ip link set lo up
+    fi
+    shape "$ns" "$RATE" "$DELAY"
+  done
+  echo "netns.sh: $M replicas dlrep0..dlrep$((M - 1)) on 10.77.0.1..$M, egress $RATE, delay $DELAY"
+}
+
+down() {
+  need_root
+  for ((i = 0; i < M; i++)); do
+    ip link del "dlv$i" 2>/dev/null || true
+    ip netns del "dlrep$i" 2>/dev/null || true
+  done
+  ip link del "$BR" 2>/dev/null || true
+}
+
+status() {
+  for ((i = 0; i < M; i++)); do
+    echo "== dlrep$i"
+    ip netns exec "dlrep$i" ip -brief addr show eth0 || true
+    ip netns exec "dlrep$i" tc qdisc show dev eth0 || true
+  done
+}
+
+case $cmd in
+  up) up ;;
+  shape) need_root; for ((i = 0; i < M; i++)); do shape "dlrep$i" "$RATE" "$DELAY"; done ;;
+  down) down ;;
+  status) status ;;
+  *) echo "netns.sh: unknown command $cmd (up|shape|down|status)" >&2; exit 2 ;;
+esac
