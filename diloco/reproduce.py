@@ -142,6 +142,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--data_dir", "--data-dir", default="", help="TFDS data_dir for --data c4")
     ap.add_argument("--workers", "-j", type=int, default=2, help="training processes at once (default 2)")
     ap.add_argument("--skip", default="", help="comma list of steps to skip: scaling,tau_alpha,simulator,bytes")
+    ap.add_argument("--taus", default="0,1,2,5,10,20", help="τ values of the τ×α ablation (< H = 30)")
+    ap.add_argument("--alphas", default="0,0.5", help="α values of the τ×α ablation")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra --config.KEY=VALUE for every run (e.g. steps=20 for a smoke test; use a new --root)")
+    ap.add_argument("--process_per_run", "--process-per-run", action="store_true",
+                    help="one process per run (slower start-up) instead of --workers long-lived worker processes")
     ap.add_argument("--force", action="store_true", help="regenerate the simulator table even if present")
     args = ap.parse_args(argv)
     from diloco import report, sweep as sw
@@ -153,23 +159,41 @@ def main(argv: list[str]) -> int:
         extra.append(f"--config.data={args.data}")
     if args.data_dir:
         extra.append(f"--config.data_dir={args.data_dir}")
+    for kv in args.set:
+        k, eq, v = kv.partition("=")
+        if not (k and eq):
+            print(f"diloco reproduce: bad input: --set {kv!r} must look like KEY=VALUE", file=sys.stderr)
+            return 2
+        extra.append(f"--config.{k}={v}")
+    try:
+        taus = [int(t) for t in args.taus.split(",") if t]
+        alphas = [float(a) for a in args.alphas.split(",") if a]
+    except ValueError:
+        print(f"diloco reproduce: bad input: --taus/--alphas must be comma-separated numbers, e.g. --taus 0,1,5", file=sys.stderr)
+        return 2
     t_start = time.time()
     steps: list[tuple[str, str, float]] = []
     files: list[Path] = []
     try:
         plan = [("scaling", f"sweeps/c4_scaling.py:{args.scale}"), ("tau_alpha", f"sweeps/tau_alpha.py:{args.ablation_scale}")]
         loaded = [(name, spec, sw.load_sweep(str(REPO / spec))) for name, spec in plan if name not in skip]
+        for name, _, s in loaded:
+            if name == "tau_alpha":
+                s["points"] = [p for p in s["points"] if int(p["point"]["tau"]) in taus
+                               and float(p["point"]["alpha"]) in alphas]
         n = sum(len(s["points"]) for *_, s in loaded)
-        _say(f"{n} training runs ({', '.join(f'{s['name']}: {len(s['points'])}' for *_, s in loaded)}), "
+        counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
+        _say(f"{n} training runs ({counts}), "
              f"{args.workers} at a time, under {root}; then bytes, simulator, tables → {out}/")
         failed = 0
         for name, spec, s in loaded:
             t0 = time.time()
             _say(f"{name}: diloco sweep {spec} --root {root} -j {args.workers}")
-            res = sw.run_sweep(s, root, args.workers, extra)
+            res = sw.run_sweep(s, root, args.workers, extra, in_process=not args.process_per_run)
             print(sw.format_table(res), flush=True)
             failed += sum(r["status"] == "failed" for r in res)
             steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
+                                            *([] if args.process_per_run else ["--in-process"]),
                                             *[f"--set={e[len('--config.'):]}" for e in extra]]), time.time() - t0))
         out.mkdir(parents=True, exist_ok=True)
         if "bytes" not in skip:

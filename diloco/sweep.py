@@ -177,8 +177,25 @@ def _last_step(workdir: Path) -> int:
         return 0
 
 
-def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None) -> dict:
-    """Run one point to completion in a subprocess. Returns a result row (status done|skipped|locked|failed)."""
+def _train_in_process(cmd: list[str], log) -> int:
+    """`diloco train` in this process (no interpreter/TensorFlow start-up per point); output → log."""
+    import traceback
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from diloco.train import main as train_main
+
+    with redirect_stdout(log), redirect_stderr(log):
+        try:
+            return int(train_main(cmd[cmd.index("train") + 1:]) or 0)
+        except BaseException as e:  # a crash of one point must not end the worker
+            traceback.print_exc()
+            return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,
+              in_process: bool = False, failed_since: float | None = None) -> dict:
+    """Run one point to completion (a subprocess, or this process with in_process=True, main thread
+    only). Returns a result row (status done|skipped|locked|failed)."""
     from diloco.checkpoint import atomic_write_json
 
     wd = root / sweep["name"] / point["name"]
@@ -190,6 +207,9 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
     try:
         if (wd / "summary.json").exists():  # finished by another sweep between the check and the lock
             return {**row, "status": "skipped", **_summary_bits(wd)}
+        f = wd / "failed.json"
+        if failed_since is not None and f.exists() and f.stat().st_mtime >= failed_since:
+            return {**row, "status": "locked"}  # another pool worker just tried it; not twice per sweep
         cmd = train_command(point, wd, extra)
         atomic_write_json(wd / "point.json", {"sweep": sweep["name"], "sweep_file": sweep["file"],
                                               "sweep_arg": sweep["arg"], "experiment": sweep["experiment"],
@@ -200,8 +220,11 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
         with open(wd / "train.log", "a") as log:
             log.write(f"\n$ {shlex.join(cmd)}\n")
             log.flush()
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
-                                env={**os.environ, **(env or {})}).returncode
+            if in_process:
+                rc = _train_in_process(cmd, log)
+            else:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
+                                    env={**os.environ, **(env or {})}).returncode
         secs = round(time.time() - t0, 1)
         if rc == 0 and (wd / "summary.json").exists():
             (wd / "failed.json").unlink(missing_ok=True)
@@ -224,35 +247,43 @@ def _summary_bits(wd: Path) -> dict:
 
 
 def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: list[str] = (),
-              only: str = "", quiet: bool = False, env: dict | None = None) -> list[dict]:
-    """Every point of `sweep` under root, `workers` at a time; prints progress lines."""
+              only: str = "", quiet: bool = False, env: dict | None = None, in_process: bool = False) -> list[dict]:
+    """Every point of `sweep` under root, `workers` at a time; prints progress lines.
+
+    in_process=True: `workers` long-lived worker processes each train point after point in-process
+    (saves the interpreter + TensorFlow start-up per point); the lock files share out the points."""
     root = Path(root)
     pts = [p for p in sweep["points"] if only in p["name"]]
+    if in_process and workers > 1:
+        return _run_pool(sweep, pts, root, workers, extra, quiet, env)
     n, done, lock = len(pts), [0], threading.Lock()
     running: dict[str, Path] = {}
     stop = threading.Event()
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, flush=True))
-    say(f"[{sweep['name']}] {n} point(s) under {root / sweep['name']} ({workers} at a time)")
+    tag = sweep.get("label", sweep["name"])
+    say(f"[{tag}] {n} point(s) under {root / sweep['name']} ({workers} at a time)")
 
     def ticker():
         while not stop.wait(20):
             with lock:
                 now = ", ".join(f"{k} @ step {_last_step(v)}" for k, v in running.items())
             if now:
-                say(f"[{sweep['name']}] {done[0]}/{n} finished; running: {now}")
+                say(f"[{tag}] {done[0]}/{n} finished; running: {now}")
 
     def one(pt):
         wd = root / sweep["name"] / pt["name"]
         with lock:
             running[pt["name"]] = wd
         try:
-            r = run_point(sweep, pt, root, extra, env)
+            r = run_point(sweep, pt, root, extra, env, in_process, sweep.get("started"))
         finally:
             with lock:
                 running.pop(pt["name"], None)
                 done[0] += 1
+        if r["status"] == "locked" and "label" in sweep:  # a pool worker: another worker has it
+            return r
         loss = r.get("final_eval_loss")
-        msg = f"[{sweep['name']}] {done[0]}/{n} {r['status']:<7} {pt['name']}"
+        msg = f"[{tag}] {done[0]}/{n} {r['status']:<7} {pt['name']}"
         if loss is not None:
             msg += f"  eval_loss={loss:.4f}"
         if r.get("seconds"):
@@ -265,11 +296,64 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
     t = threading.Thread(target=ticker, daemon=True)
     t.start()
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-            results = list(ex.map(one, pts))
+        if workers <= 1 or in_process:  # in the main thread: train() installs signal handlers
+            results = [one(p) for p in pts]
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as ex:
+                results = list(ex.map(one, pts))
     finally:
         stop.set()
     return results
+
+
+def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: list[str], quiet: bool,
+              env: dict | None) -> list[dict]:
+    """`workers` processes of `diloco sweep --in-process -j 1` over the same points (locks share them)."""
+    from diloco.checkpoint import atomic_write_json
+
+    before = {p["name"]: (root / sweep["name"] / p["name"] / "summary.json").exists() for p in pts}
+    names = root / sweep["name"] / f".points.{os.getpid()}.json"
+    atomic_write_json(names, [p["name"] for p in pts])
+    spec = sweep["file"] + (f":{sweep['arg']}" if sweep["arg"] else "")
+    cmd = [sys.executable, "-m", "diloco.cli", "sweep", spec, "--root", str(root), "--in-process", "-j", "1",
+           "--points-file", str(names), *[f"--set={e[len('--config.'):]}" for e in extra]]
+    if not quiet:
+        print(f"[{sweep['name']}] {len(pts)} point(s), {workers} worker processes: {shlex.join(cmd)}", flush=True)
+    procs = []
+    for w in range(workers):
+        procs.append(subprocess.Popen(cmd + ["--worker-name", f"w{w}"], cwd=str(REPO_ROOT),
+                                      env={**os.environ, **(env or {})},
+                                      stdout=subprocess.DEVNULL if quiet else None))
+        time.sleep(0.5)  # let the first take the first point
+    try:
+        for p in procs:
+            p.wait()
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()  # train() checkpoints on SIGTERM
+        for p in procs:
+            p.wait()
+        raise
+    finally:
+        names.unlink(missing_ok=True)
+    results = []
+    for p in pts:
+        wd = root / sweep["name"] / p["name"]
+        row = {"sweep": sweep["name"], "point": p["name"], "workdir": str(wd)}
+        if (wd / "summary.json").exists():
+            results.append({**row, "status": "skipped" if before[p["name"]] else "done", **_summary_bits(wd)})
+        else:
+            f = _read_failed(wd)
+            results.append({**row, "status": "failed" if f else "incomplete", "returncode": f.get("returncode"),
+                            "error": ((f.get("error_tail") or "").splitlines() or [""])[-1][:160]})
+    return results
+
+
+def _read_failed(wd: Path) -> dict:
+    try:
+        return json.loads((wd / "failed.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def format_table(results: list[dict]) -> str:
@@ -277,7 +361,8 @@ def format_table(results: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         loss = r.get("final_eval_loss")
-        lines.append(f"{r['status']:<8} {loss if loss is None else f'{loss:.4f}':>9} "
+        loss_s = "" if loss is None else f"{loss:.4f}"
+        lines.append(f"{r['status']:<8} {loss_s:>9} "
                      f"{r.get('bytes_exchanged_total') or '':>12} {r.get('bytes_peak_per_sync') or '':>10} "
                      f"{r.get('wall_seconds') or '':>7}  {r['point']}")
     counts = {s: sum(r["status"] == s for r in results) for s in ("done", "skipped", "failed", "locked")}
@@ -321,6 +406,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --config.KEY=VALUE for every point (changes the run: use a new --root)")
     ap.add_argument("--dry-run", "--dry_run", action="store_true", help="print the exact commands, run nothing")
+    ap.add_argument("--in-process", action="store_true",
+                    help="train points inside long-lived worker processes (-j of them) instead of one process "
+                         "per point: saves the start-up per point; a crash of a point still only fails that point "
+                         "unless it kills the interpreter")
+    ap.add_argument("--points-file", help=argparse.SUPPRESS)  # JSON list of point names (pool workers)
+    ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--launch", choices=("local", "tpu"), default="local")
     ap.add_argument("--tpu", help="TPU VM (pod slice) name, for --launch tpu")
     ap.add_argument("--zone", help="its zone, for --launch tpu")
@@ -359,6 +450,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"diloco sweep: bad input: {e}", file=sys.stderr)
         return 2
-    results = run_sweep(sweep, args.root, args.workers, extra, args.only)
+    if args.points_file:
+        keep = set(json.loads(Path(args.points_file).read_text()))
+        sweep["points"] = [p for p in sweep["points"] if p["name"] in keep]
+    if args.worker_name:
+        sweep = {**sweep, "label": f"{sweep['name']} {args.worker_name}",
+                 "started": Path(args.points_file).stat().st_mtime - 1}
+    results = run_sweep(sweep, args.root, args.workers, extra, args.only, in_process=args.in_process)
+    if args.worker_name:  # a pool worker: the parent prints the table
+        return 0
     print(format_table(results))
     return 1 if any(r["status"] == "failed" for r in results) else 0

@@ -1,0 +1,136 @@
+"""diloco sweep: expansion, dry run, TPU script, locks, resume, failure isolation (real tiny runs)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from diloco import sweep as sw
+from diloco.errors import ConfigError
+
+FAST = {"steps": 4, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 2, "eval_batches": 1,
+        "checkpoint_every": 2, "optimizer.warmup_steps": 1}
+
+
+def test_product_and_zip_expand_axes():
+    pts = sw.product(tau=[0, 1, 5], alpha=[0.0, 0.5])
+    assert len(pts) == 6 and {"tau": 5, "alpha": 0.5} in pts
+    assert [list(p) for p in pts] == [["tau", "alpha"]] * 6  # axis order kept: stable folder names
+    z = sw.zip_(codec=["topk", "dare"], codec_keep_fraction=[0.0625, 0.125])
+    assert z == [{"codec": "topk", "codec_keep_fraction": 0.0625}, {"codec": "dare", "codec_keep_fraction": 0.125}]
+    crossed = sw.product(z, seed=[0, 1])
+    assert len(crossed) == 4 and {"codec": "dare", "codec_keep_fraction": 0.125, "seed": 1} in crossed
+    with pytest.raises(ConfigError, match="equal lengths"):
+        sw.zip_(a=[1, 2], b=[1])
+    with pytest.raises(ConfigError, match="non-empty list"):
+        sw.product(tau=[])
+
+
+def test_point_names_are_stable_and_filesystem_safe():
+    assert sw.point_name({"tau": 5, "alpha": 0.5}) == "tau=5,alpha=0.5"
+    assert sw.point_name({"arg": "toy,4,local"}) == "toy+4+local"
+    assert sw.point_name({"replica_tau": "1,5", "pattern": "a/b c"}) == "replica_tau=1+5,pattern=a-b-c"
+    assert sw.point_name({}) == "default"
+
+
+def _write_sweep(tmp_path, points: str, name="t"):
+    p = tmp_path / f"{name}.py"
+    p.write_text(textwrap.dedent(f"""
+        from diloco.sweep import product
+        def get_sweep(arg="tiny"):
+            return {{"name": "{name}", "experiment": "experiments/c4_scaling.py:" + arg + ",dp", "points": {points}}}
+    """))
+    return p
+
+
+def test_every_repo_sweep_expands():
+    for f in sorted((sw.REPO_ROOT / "sweeps").glob("*.py")):
+        s = sw.load_sweep(str(f))
+        assert s["points"] and len({p["name"] for p in s["points"]}) == len(s["points"])
+    s = sw.load_sweep("sweeps/tau_alpha.py:tiny")
+    assert len(s["points"]) == 12 and s["name"] == "tau_alpha_tiny"
+    assert s["points"][3]["overrides"] == ["--config.tau=1", "--config.alpha=0.5"]
+
+
+def test_colliding_points_and_bad_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="same folder"):
+        sw.load_sweep(str(_write_sweep(tmp_path, '[{"pattern": "a b"}, {"pattern": "a/b"}]')))
+    with pytest.raises(ConfigError, match="not found"):
+        sw.load_sweep(str(tmp_path / "missing.py"))
+
+
+def test_dry_run_prints_exact_commands(tmp_path, capsys):
+    f = _write_sweep(tmp_path, 'product(tau=[1, 2])')
+    (tmp_path / "root" / "t" / "tau=2").mkdir(parents=True)
+    (tmp_path / "root" / "t" / "tau=2" / "summary.json").write_text("{}")
+    assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root"), "--dry-run", "--set", "steps=9"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    assert "--config experiments/c4_scaling.py:toy,dp" in lines[0] and "--config.tau=1" in lines[0]
+    assert f"--workdir {tmp_path}/root/t/tau=1" in lines[0] and lines[0].split()[-1] == "--config.steps=9"
+    assert lines[1].endswith("# done")
+
+
+def test_tpu_launch_dry_run(tmp_path, capsys):
+    f = _write_sweep(tmp_path, 'product(tau=[1, 2])')
+    assert sw.main([str(f), "--root", "/data/runs", "--launch", "tpu", "--tpu", "pod-1", "--zone", "us-east5-b",
+                    "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert script.startswith("#!/usr/bin/env bash")
+    assert script.count("gcloud compute tpus tpu-vm ssh pod-1 --zone=us-east5-b --worker=all") == 2
+    assert "jax.distributed.initialize()" in script and "--workdir /data/runs/t/tau=2" in script
+    assert sw.main([str(f), "--root", "/x", "--launch", "tpu"]) == 2  # no --tpu/--zone: clear error
+
+
+def test_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
+    wd = tmp_path / "p"
+    assert sw.acquire_lock(wd)
+    assert not sw.acquire_lock(wd)  # held by a live process (us)
+    sw.release_lock(wd)
+    assert not (wd / sw.LOCK).exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (wd / sw.LOCK).write_text(f"{socket.gethostname()}:{dead.pid}")
+    assert sw.acquire_lock(wd)  # the holder is gone: stale
+    assert (wd / sw.LOCK).read_text().endswith(f":{os.getpid()}")
+    sw.release_lock(wd)
+    (wd / sw.LOCK).write_text("another-host:1")
+    assert not sw.acquire_lock(wd)  # cannot tell whether a process on another host lives: leave it
+
+
+def test_failure_is_recorded_others_finish_and_resume_skips(tmp_path):
+    """One good point, one that fails inside `diloco train` (DiLoCo with τ>0 is refused)."""
+    f = _write_sweep(tmp_path, '[{"arg": "tiny,dp"}, {"arg": "tiny,diloco_h30", "tau": 3}]')
+    s = sw.load_sweep(str(f))
+    extra = [f"--config.{k}={v}" for k, v in FAST.items()]
+    root = tmp_path / "root"
+    res = sw.run_sweep(s, root, workers=2, extra=extra, quiet=True)
+    status = {r["point"]: r["status"] for r in res}
+    assert status == {"tiny+dp": "done", "tiny+diloco_h30,tau=3": "failed"}
+    good, bad = root / "t" / "tiny+dp", root / "t" / "tiny+diloco_h30,tau=3"
+    summary = json.loads((good / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["method"] == "dp"
+    failed = json.loads((bad / "failed.json").read_text())
+    assert failed["returncode"] == 2 and "tau" in failed["error_tail"] and "diloco" in failed["command"]
+    assert not (bad / "summary.json").exists()
+    assert json.loads((good / "point.json").read_text())["spec"] == "experiments/c4_scaling.py:tiny,dp"
+    assert not (good / sw.LOCK).exists() and not (bad / sw.LOCK).exists()
+    mtime = (good / "summary.json").stat().st_mtime_ns
+    again = sw.run_sweep(s, root, workers=1, extra=extra, quiet=True, only="tiny+dp")
+    assert [r["status"] for r in again] == ["skipped"]
+    assert (good / "summary.json").stat().st_mtime_ns == mtime
+    table = sw.format_table(res)
+    assert "1 done, 1 failed" in table
+
+
+def test_a_locked_point_is_not_run(tmp_path):
+    f = _write_sweep(tmp_path, '[{}]')
+    s = sw.load_sweep(str(f))
+    wd = tmp_path / "root" / "t" / "default"
+    wd.mkdir(parents=True)
+    (wd / sw.LOCK).write_text(f"{socket.gethostname()}:{os.getppid()}")  # a live process holds it
+    assert [r["status"] for r in sw.run_sweep(s, tmp_path / "root", quiet=True)] == ["locked"]
+    assert not (wd / "config.json").exists()
