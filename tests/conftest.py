@@ -4,6 +4,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Many tests compile the same tiny-model functions in fresh Trainers: share compilations through
+# JAX's persistent cache (also inherited by the subprocesses tests start).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "diloco-test-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
