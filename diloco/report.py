@@ -87,6 +87,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
         for k, v in (point.get("point") or {}).items():
             if k != "arg":
                 row[f"ax_{k}"] = v
+        row["axis_order"] = ",".join(f"ax_{k}" for k in point.get("axes", point.get("point") or {}) if k != "arg")
         if summ:
             row.update({k: summ.get(k) for k in SUMMARY_COLS})
             row["H"] = summ.get("H")  # None for DP
@@ -203,6 +204,8 @@ def table6(df: pd.DataFrame) -> pd.DataFrame:
     if runs.empty:
         return pd.DataFrame()
     runs = runs[runs.label.str.startswith("streaming_ovl_fp4")].drop_duplicates(["scale", "label", "replicas"])
+    if runs.empty or not (runs.replicas != 2).any():  # nothing beyond Table 5's M=2 column
+        return pd.DataFrame()
     p = paper("c4_scaling")
     p = p[p.source == "streaming_diloco_v1:table6"]
     out = []
@@ -323,9 +326,16 @@ def bytes_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ablation_table(g: pd.DataFrame) -> pd.DataFrame:
-    axes = [c for c in g.columns if (c.startswith("ax_") or c.startswith("arg_")) and c != "arg_scale"
-            and g[c].notna().any()]
+    named = [a for a in (g["axis_order"].dropna().iloc[0].split(",") if "axis_order" in g and g["axis_order"].notna().any() else []) if a]
+    axes = [c for c in g.columns if c.startswith("arg_") and c != "arg_scale" and g[c].notna().any()]
+    axes += named + [c for c in g.columns if c.startswith("ax_") and c not in named and g[c].notna().any()]
     g = g.copy()
+    keys = [pd.to_numeric(g[c], errors="coerce").fillna(0) if pd.to_numeric(g[c], errors="coerce").notna().all()
+            else g[c].astype(str) for c in axes]
+    if axes:
+        order = pd.DataFrame({f"k{i}": k.values for i, k in enumerate(keys)}).sort_values(
+            [f"k{i}" for i in range(len(keys))], kind="stable").index
+        g = g.iloc[order]
     ref = g.final_eval_loss.iloc[0]
     cols = {c: c.split("_", 1)[1] for c in axes}
     t = g[axes].rename(columns=cols)

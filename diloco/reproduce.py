@@ -48,15 +48,18 @@ def bytes_analytic(out: Path) -> Path:
     return p
 
 
-def simulator(out: Path, force: bool) -> Path:
-    sim = out / "simulator"
-    if (sim / "paper_table.md").exists() and not force:
-        _say(f"simulator: {sim / 'paper_table.md'} exists (pass --force to regenerate)")
-        return sim / "paper_table.md"
+def simulator(out: Path) -> list[Path]:
+    """[SD] Table 4 by the compute-utilisation simulator (≈15 s); its full table is in paper_table.md."""
     from diloco.simulate import cli as sim_cli
 
-    sim_cli.main(["--paper-table", "--out", str(sim)])
-    return sim / "paper_table.md"
+    sim = out / "simulator"
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = sim_cli.main(["--paper-table", "--out", str(sim)])
+    if rc:
+        print(buf.getvalue())
+        raise RuntimeError(f"diloco simulate --paper-table failed (exit {rc})")
+    return [sim / f"paper_table.{e}" for e in ("md", "csv", "json")]
 
 
 def headline(root: Path) -> dict:
@@ -88,10 +91,12 @@ def headline(root: Path) -> dict:
 def headline_text(h: dict) -> str:
     lines = []
     for s in h["scaling"]:
-        peak = f"{s['peak_ratio_to_diloco']:.3f}" if s["peak_ratio_to_diloco"] else "n/a"
+        peak = f"×{s['peak_ratio_to_diloco']:.3f} (1/{1 / s['peak_ratio_to_diloco']:.1f})" \
+            if s["peak_ratio_to_diloco"] else "n/a (no sync)"
+        b = s["bytes_ratio_to_dp"]
         lines.append(f"  {s['scale']:>5} {s['method']:<24} eval {s['eval_loss']:.4f} (DP {s['dp_eval_loss']:.4f}): "
-                     f"gap to DP {s['gap_to_dp_pct']:+.2f}%, bytes vs DP ×{s['bytes_ratio_to_dp']:.4f} "
-                     f"(1/{1 / s['bytes_ratio_to_dp']:.0f}), peak vs DiLoCo ×{peak}")
+                     f"gap to DP {s['gap_to_dp_pct']:+.2f}%, total bytes vs DP "
+                     f"{f'×{b:.4f} (1/{1 / b:.0f})' if b else '0 (no sync)'}, peak vs DiLoCo {peak}")
     for a, d in sorted(h["tau_alpha"].items()):
         if not d:
             continue
@@ -148,7 +153,6 @@ def main(argv: list[str]) -> int:
                     help="extra --config.KEY=VALUE for every run (e.g. steps=20 for a smoke test; use a new --root)")
     ap.add_argument("--process_per_run", "--process-per-run", action="store_true",
                     help="one process per run (slower start-up) instead of --workers long-lived worker processes")
-    ap.add_argument("--force", action="store_true", help="regenerate the simulator table even if present")
     args = ap.parse_args(argv)
     from diloco import report, sweep as sw
 
@@ -205,7 +209,7 @@ def main(argv: list[str]) -> int:
         if "simulator" not in skip:
             t0 = time.time()
             _say("simulator: diloco simulate --paper-table --out results/simulator  ([SD] Table 4)")
-            files.append(simulator(out, args.force))
+            files += simulator(out)
             steps.append(("simulator Table 4", f"diloco simulate --paper-table --out {out / 'simulator'}", time.time() - t0))
         t0 = time.time()
         _say(f"tables: diloco tables --root {root} --out {out}")

@@ -214,6 +214,7 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
         atomic_write_json(wd / "point.json", {"sweep": sweep["name"], "sweep_file": sweep["file"],
                                               "sweep_arg": sweep["arg"], "experiment": sweep["experiment"],
                                               "spec": point["spec"], "point": point["point"],
+                                              "axes": [k for k in point["point"] if k != "arg"],
                                               "overrides": [*point["overrides"], *extra],
                                               "command": shlex.join(cmd)})
         t0 = time.time()

@@ -7,7 +7,7 @@ import pytest
 
 from diloco import report, sweep as sw
 
-FAST = {"steps": 6, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 3, "eval_batches": 2,
+FAST = {"steps": 6, "H": 3, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 3, "eval_batches": 2,
         "checkpoint_every": 3, "optimizer.warmup_steps": 1}
 
 
@@ -64,7 +64,8 @@ def test_ablation_tables_and_plots(runs, tmp_path):
     df = report.load_runs(runs)
     df["sweep"] = "tau_alpha_tiny"  # read the same records as an ablation sweep
     t = report.ablation_table(df)
-    assert list(t.eval_loss) == list(df.final_eval_loss) and t.vs_first_pct.iloc[0] == 0
+    assert sorted(t.eval_loss) == sorted(df.final_eval_loss) and t.vs_first_pct.iloc[0] == 0
+    assert list(t.label) == sorted(t.label)  # rows ordered by the sweep's axis (here the spec's method)
     report.plot_ablation(t, "tau_alpha_tiny", tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 1000
 
