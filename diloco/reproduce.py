@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import shlex
 import sys
 import time
@@ -175,6 +176,10 @@ def main(argv: list[str]) -> int:
     except ValueError:
         print(f"diloco reproduce: bad input: --taus/--alphas must be comma-separated numbers, e.g. --taus 0,1,5", file=sys.stderr)
         return 2
+    # Runs of one sweep compile the same functions: share them through JAX's persistent cache.
+    jax_cache = {k: os.environ.get(k, v) for k, v in (
+        ("JAX_COMPILATION_CACHE_DIR", str((root / ".jax_cache").resolve())),
+        ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"), ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1"))}
     t_start = time.time()
     steps: list[tuple[str, str, float]] = []
     files: list[Path] = []
@@ -193,7 +198,7 @@ def main(argv: list[str]) -> int:
         for name, spec, s in loaded:
             t0 = time.time()
             _say(f"{name}: diloco sweep {spec} --root {root} -j {args.workers}")
-            res = sw.run_sweep(s, root, args.workers, extra, in_process=not args.process_per_run)
+            res = sw.run_sweep(s, root, args.workers, extra, in_process=not args.process_per_run, env=jax_cache)
             print(sw.format_table(res), flush=True)
             failed += sum(r["status"] == "failed" for r in res)
             steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
