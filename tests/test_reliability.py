@@ -174,3 +174,267 @@ def test_atomic_json_write_never_shows_a_partial_file(tmp_path):
         seen.add(json.loads(p.read_text())["i"])  # raises on a torn read
     assert writer.returncode == 0 and json.loads(p.read_text())["i"] == 199 and len(seen) > 1
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# exact resume, in-process (stop_after = SIGTERM during that step)
+STREAM = dict(H=4, layers_per_fragment=1, tau=2, steps=40, checkpoint_every=10, log_every=1, eval_every=20,
+              eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def streaming_whole(tmp_path_factory) -> tuple[dict, Path]:
+    wd = tmp_path_factory.mktemp("whole")
+    return train(tiny_config("streaming", **STREAM), wd, progress=False), wd
+
+
+def test_resume_twice_at_a_checkpoint_step_then_mid_flight_is_exact(tmp_path, streaming_whole):
+    """Stop at step 10 (a checkpoint step: the stop must not save twice), resume, stop at 15 (fragments
+    in flight, τ=2), resume, finish: params, bytes and every metrics row equal the uninterrupted run's."""
+    whole, wd = streaming_whole
+    cfg = tiny_config("streaming", **STREAM)
+    for stop in (10, 15):
+        with pytest.raises(KeyboardInterrupt, match=f"saved a checkpoint at step {stop}"):
+            train(cfg, tmp_path, progress=False, stop_after=stop)
+        assert max(ckpt_steps(tmp_path)) == stop and [r["step"] for r in metric_rows(tmp_path)][-1] == stop
+    resumed = train(cfg, tmp_path, progress=False)
+    assert resumed["params_sha256"] == whole["params_sha256"]
+    for k in ("bytes_exchanged_total", "syncs", "bytes_per_fragment", "final_eval_loss", "skipped_batches"):
+        assert resumed[k] == whole[k], k
+    assert without_timing(metric_rows(tmp_path)) == without_timing(metric_rows(wd))
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_resumes_from_the_previous_one_exactly(tmp_path, streaming_whole):
+    whole, _ = streaming_whole
+    cfg = tiny_config("streaming", **STREAM)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path, progress=False, stop_after=23)
+    assert ckpt_steps(tmp_path) == [20, 23]
+    flip_bytes(biggest_file(tmp_path / "ckpt" / "23" / "state"))
+    with pytest.warns(UserWarning, match="step 23 .* unreadable"):
+        resumed = train(cfg, tmp_path, progress=False)
+    assert resumed["params_sha256"] == whole["params_sha256"]
+    assert len(list((tmp_path / "ckpt_corrupt").iterdir())) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# numerical faults
+def fault_cfg(method: str, **faults):
+    extra = {"H": 3} if method != "dp" else {}
+    return tiny_config(method, steps=6, checkpoint_every=3, eval_batches=1, **extra,
+                       **{f"faults.{k}": v for k, v in faults.items()})
+
+
+@pytest.mark.parametrize("method,value,replica", [("diloco", "nan", 1),
+                                                   pytest.param("dp", "inf", 0, marks=pytest.mark.slow)])
+def test_non_finite_loss_stops_naming_step_and_replica_and_keeps_last_good_checkpoint(tmp_path, method, value,
+                                                                                         replica):
+    cfg = fault_cfg(method, nan_step=5, nan_replica=replica, nan_value=value)
+    with pytest.raises(NumericalFault, match=rf"step 5: non-finite loss or gradient on replica\(s\) \[{replica}\].*"
+                                             r"last good checkpoint \(step 3\) is kept"):
+        train(cfg, tmp_path, progress=False)
+    assert ckpt_steps(tmp_path) == [3]
+    assert [r["step"] for r in metric_rows(tmp_path)] == [2, 3, 4]  # flushed, parseable, nothing after
+    tr = Trainer(cfg, tmp_path, need_data=False)
+    step, state = tr.restore_or_init(restore_only=True)
+    assert step == 3 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state))
+
+
+@pytest.mark.slow
+def test_nan_policy_skip_drops_the_bad_batch_and_finishes(tmp_path):
+    s = train(fault_cfg("diloco", nan_step=2, nan_replica=0, nan_policy="skip"), tmp_path, progress=False)
+    assert s["skipped_batches"] == 1 and np.isfinite(s["final_eval_loss"])
+    assert all(np.isfinite(r["train_loss"]) for r in metric_rows(tmp_path))  # the NaN is not averaged in
+
+
+@pytest.mark.slow
+def test_non_finite_outer_gradient_stops_naming_the_fragment_and_replica(tmp_path):
+    cfg = fault_cfg("diloco", nan_step=3, nan_replica=1, nan_target="outer")
+    with pytest.raises(NumericalFault, match=r"step 3: the averaged outer gradient of fragment 0 is not finite"
+                                             r".*replica\(s\) \[1\].*checkpoint \(step 0\)"):
+        train(cfg, tmp_path, progress=False)
+    assert ckpt_steps(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_cli_numerical_fault_exits_3_with_the_message(tmp_path):
+    r = subprocess.run(cli_train(tmp_path, "dp", steps=4, checkpoint_every=2, eval_batches=1,
+                                 **{"faults.nan_step": 3}), capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "step 3: non-finite loss or gradient on replica(s) [0]" in r.stderr
+    assert "last good checkpoint (step 2) is kept" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# replica faults (the knobs, at the level of the trainer's own jitted pieces)
+def batches(n: int, B: int = 4, L: int = 32, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 200, size=(B, L), dtype=np.int32) for _ in range(n)]
+
+
+def host(tree):
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def dev(tree):
+    return jax.tree_util.tree_map(jnp.asarray, tree)
+
+
+def replica(tree, m: int):
+    return jax.tree_util.tree_map(lambda x: np.asarray(x[m]), tree)
+
+
+def assert_trees_equal(a, b) -> None:
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def trees_differ(a, b) -> bool:
+    return any(not np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def test_missed_sync_contributes_nothing_and_still_receives_the_average(tmp_path):
+    cfg = tiny_config("diloco", H=2, **{"faults.miss_sync_replica": 1, "faults.miss_sync_step": 2})
+    tr = Trainer(cfg, tmp_path, need_data=False)
+    inner, st = tr.inner_step_fn(), tr.fresh_state()
+    for b in batches(2):
+        st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
+    before = host(st)
+    garbage = {**before, "params": jax.tree_util.tree_map(lambda x: x.copy(), before["params"])}
+    for x in jax.tree_util.tree_leaves(garbage["params"]):
+        x[1] += 1.0  # whatever replica 1 holds must not matter
+    contrib = _fault_contrib(cfg)
+    a, sent = tr.run_syncs(dev(before), 2, contrib=contrib)
+    b, _ = tr.run_syncs(dev(garbage), 2, contrib=contrib)
+    assert_trees_equal(a["outer"]["params"], b["outer"]["params"])
+    for m in (0, 1):  # α = 0: both replicas, the one that missed included, now hold θ^g
+        assert_trees_equal(replica(a["params"], m), a["outer"]["params"])
+    assert sent == [(0, tr.sync.bytes_per_replica(0))]  # one replica's payload crossed
+    ok, sent_ok = tr.run_syncs(dev(garbage), 2)  # without the fault replica 1 counts
+    assert trees_differ(ok["outer"]["params"], a["outer"]["params"]) and sent_ok[0][1] == 2 * sent[0][1]
+    assert contrib(3, 0).tolist() == [1.0, 0.0] and contrib(4, 0).tolist() == [1.0, 1.0]  # one window of H
+
+
+def test_slower_replica_merges_tau_steps_later(tmp_path):
+    cfg = tiny_config("streaming", H=4, layers_per_fragment=3, tau=0, replica_tau="0,2", alpha=0.0, codec="none")
+    tr = Trainer(cfg, tmp_path, need_data=False)
+    inner, st, fr = tr.inner_step_fn(), tr.fresh_state(), tr.sync.frags
+    seen = []
+    for t, b in enumerate(batches(7), 1):
+        st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
+        st, _ = tr.run_syncs(st, t)
+        g = np.asarray(fr.flatten(st["outer"]["params"], 0))
+        seen.append([np.array_equal(np.asarray(fr.flatten(replica(st["params"], m), 0)), g) for m in (0, 1)])
+    assert tr.schedule.sends(4) == [0]
+    assert seen[3] == [True, False] and seen[4] == [False, False] and seen[5] == [False, True]
+
+
+def test_restarted_replica_starts_from_the_outer_params_with_fresh_optimizer(tmp_path):
+    cfg = tiny_config("diloco", H=3)
+    tr = Trainer(cfg, tmp_path, need_data=False)
+    inner, st = tr.inner_step_fn(), tr.fresh_state()
+    for b in batches(2):
+        st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
+    before = host(st)
+    after = host(_restart_replica(tr, dev(before), 1))
+    assert_trees_equal(replica(after["params"], 1), before["outer"]["params"])
+    assert_trees_equal(replica(after["opt"], 1), replica(host(jax.vmap(tr.tx.init)(dev(before["params"]))), 1))
+    assert_trees_equal(replica(after["params"], 0), replica(before["params"], 0))
+    assert_trees_equal(replica(after["opt"], 0), replica(before["opt"], 0))
+    assert trees_differ(replica(before["params"], 1), before["outer"]["params"])
+
+
+@pytest.mark.slow
+def test_training_continues_through_replica_faults_and_replicas_reconverge(tmp_path):
+    faults = {"miss_sync_replica": 1, "miss_sync_step": 3, "restart_replica": 0, "restart_step": 4}
+    cfg = fault_cfg("diloco", **faults)
+    s = train(cfg, tmp_path, progress=False)
+    assert np.isfinite(s["final_eval_loss"]) and s["syncs"] == 2
+    assert s["bytes_exchanged_total"] == 3 * s["bytes_peak_per_sync"]  # 2 syncs × 2 replicas − 1 missed
+    tr = Trainer(cfg, tmp_path, need_data=False)
+    step, st = tr.restore_or_init(restore_only=True)
+    assert step == 6  # a sync step, α = 0: both replicas hold θ^g again
+    for m in (0, 1):
+        assert_trees_equal(replica(st["params"], m), st["outer"]["params"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# real processes: SIGTERM / SIGINT / SIGKILL, then the same command resumes
+def cli_train(workdir: Path, method: str, **overrides) -> list[str]:
+    """The command line of tiny_config(method, **overrides): the same config, in its own process."""
+    flat = {"scale": "tiny", "seq_len": 32, "batch_size": 4, "steps": 6, "log_every": 2, "eval_every": 3,
+            "eval_batches": 2, "checkpoint_every": 3, "optimizer.warmup_steps": 2, **overrides}
+    return [sys.executable, "-m", "diloco.cli", "train", "--config", f"experiments/toy.py:{method}",
+            "--workdir", str(workdir), "--no_progress", *[f"--config.{k}={v}" for k, v in flat.items()]]
+
+
+def wait_for(pred, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    t0 = time.time()
+    while not pred():
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended (rc {proc.returncode}) before the condition held")
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def last_logged_step(workdir: Path) -> int:
+    try:
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (FileNotFoundError, ValueError, KeyError):
+        return 0  # missing, or a line being written
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
+def test_preemption_signal_saves_exits_130_and_the_same_command_resumes_exactly(tmp_path, sig, streaming_whole):
+    whole, whole_dir = streaming_whole  # the same config, run in-process without interruption
+    cmd = cli_train(tmp_path / "cut", "streaming", **STREAM)
+    p = start(cmd, tmp_path / "cut.log")
+    wait_for(lambda: last_logged_step(tmp_path / "cut") >= 13, p)  # after the step-10 checkpoint
+    p.send_signal(getattr(signal, sig))
+    assert p.wait(timeout=300) == 130
+    out = (tmp_path / "cut.log").read_text()
+    assert f"diloco train: interrupted. {sig}: saved a checkpoint at step" in out and "run the same command" in out
+    stopped = max(ckpt_steps(tmp_path / "cut"))
+    assert 13 <= stopped < 40 and last_logged_step(tmp_path / "cut") == stopped  # metrics flushed up to it
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0 and f"resumed {tmp_path / 'cut'} at step {stopped}" in r.stderr, r.stderr[-3000:]
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert cut["params_sha256"] == whole["params_sha256"]
+    assert without_timing(metric_rows(tmp_path / "cut")) == without_timing(metric_rows(whole_dir))
+
+
+KILL_CASES = {"dp": {}, "diloco": {"H": 4}, "streaming": dict(H=4, layers_per_fragment=1, tau=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(KILL_CASES))
+def test_sigkill_twice_after_checkpoints_then_resume_is_exact(tmp_path, method):
+    """SIGKILL (no handler runs) a few steps after a checkpoint, twice in a row, then finish."""
+    kw = dict(KILL_CASES[method], steps=60, checkpoint_every=10, eval_every=20, log_every=1, eval_batches=1)
+    cmd = cli_train(tmp_path / "cut", method, **kw)
+    resumed_at = []
+    for kill_after in (13, 34):
+        p = start(cmd, tmp_path / "cut.log")
+        wait_for(lambda: last_logged_step(tmp_path / "cut") >= kill_after, p)
+        p.kill()
+        p.wait()
+        assert not (tmp_path / "cut" / "summary.json").exists()
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (tmp_path / "cut.log").read_text() + r.stderr
+    resumed_at = [int(x.split()[-1]) for x in log.splitlines() if x.startswith("resumed ")]
+    assert len(resumed_at) == 2 and resumed_at[0] >= 10 and resumed_at[1] >= 30, resumed_at
+    assert subprocess.run(cli_train(tmp_path / "whole", method, **kw), cwd=REPO, capture_output=True).returncode == 0
+    cut, whole = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("cut", "whole"))
+    assert cut["params_sha256"] == whole["params_sha256"]
+    assert cut["bytes_exchanged_total"] == whole["bytes_exchanged_total"]
+    assert without_timing(metric_rows(tmp_path / "cut")) == without_timing(metric_rows(tmp_path / "whole"))
