@@ -523,11 +523,16 @@ def _fault_poison(cfg, R: int, t: int, target: str) -> tuple:
 
 
 def _restart_replica(tr: Trainer, state, m: int):
-    """Replica m loses its state and restarts from the outer params (fresh AdamW state)."""
+    """Replica m loses its state and restarts from the outer params: fresh AdamW moments (and bias
+    correction), but the learning-rate schedule continues at the global step (no second warm-up)."""
+    import optax
+
     jax = tr.jax
     g = state["outer"]["params"]
     params = jax.tree_util.tree_map(lambda x, gx: x.at[m].set(gx), state["params"], g)
-    fresh = jax.vmap(tr.tx.init)(params)
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    fresh = jax.tree_util.tree_map(lambda f, o: o if is_sched(f) else f, jax.vmap(tr.tx.init)(params), state["opt"],
+                                   is_leaf=is_sched)
     opt = jax.tree_util.tree_map(lambda o, f: o.at[m].set(f[m]), state["opt"], fresh)
     return {**state, "params": params, "opt": opt}
 
