@@ -47,8 +47,11 @@ def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
         fv(argv)
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:  # unknown key, bad type
         msg = str(e).strip("\"'")
-        field = next((o.split("=")[0][len("--config."):] for o in overrides
-                      if o.split("=")[0][len("--config."):] in msg), "config")
+        keys = [o.split("=")[0][len("--config."):] for o in overrides]
+        field = next((k for k in keys if k in msg), None) or next((k for k in keys if k.rsplit(".", 1)[-1] == msg),
+                                                                 "config")
+        if isinstance(e, (AttributeError, KeyError)) and msg == field.rsplit(".", 1)[-1]:
+            msg = f"unknown config key {field!r}"
         raise ConfigError(field, f"{msg.splitlines()[0]} (see experiments/base.py for every key)") from None
     cfg = fv.config
     validate(cfg)
@@ -127,10 +130,30 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         if per_dev % data_axis:
             raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the {data_axis} "
                               f"devices of the data axis ({n_dev} devices); use a multiple of {data_axis}")
+    if cfg.downstream.tasks:
+        _validate_downstream(cfg, check_data)
     if check_data:
         from diloco.data import validate_data
 
         validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len)
+        validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len, split="validation")  # eval loss
+
+
+def _validate_downstream(cfg, check_data: bool) -> None:
+    """Downstream eval runs late in a run: fail before training on a bad task name, missing or malformed data."""
+    from diloco.eval import tasks as T
+
+    try:
+        names = T.parse_tasks(cfg.downstream.tasks)
+    except ValueError as e:
+        raise ConfigError("downstream.tasks", str(e)) from None
+    if cfg.downstream.every < 0 or cfg.downstream.limit < 0:
+        raise ConfigError("downstream", f"every={cfg.downstream.every} and limit={cfg.downstream.limit} must be ≥ 0")
+    for name in names if check_data else ():
+        try:
+            T.load_docs(name, cfg.downstream.data_dir or None)
+        except (T.DataNotFound, T.MalformedItem) as e:
+            raise ConfigError("downstream.data_dir", str(e)) from None
 
 
 def _validate_faults(cfg) -> None:

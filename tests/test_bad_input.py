@@ -1,0 +1,194 @@
+"""Bad input, table-driven: every bad config or data file fails before training, with ConfigError naming
+the field and a message that says what was wrong. Malformed eval items name file:line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from diloco.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Bad:
+    id: str
+    overrides: dict | Callable[[Path], dict]  # a dict, or a function of tmp_path that writes files first
+    field: str
+    message: str  # regex searched in str(error)
+    method: str = "streaming"
+
+
+# -- bad data files (each writer returns the overrides that point at it) -------------------------------
+def write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def jsonl(tmp: Path, text: bytes | str) -> dict:
+    return {"data": f"jsonl:{write(tmp / 'd' / 'a.jsonl', text)}"}
+
+
+def text_files(tmp: Path, contents: list[bytes]) -> dict:
+    for i, c in enumerate(contents):
+        write(tmp / "t" / f"doc{i}.txt", c)
+    return {"data": f"text:{tmp / 't' / '*.txt'}"}
+
+
+def piqa_dir(tmp: Path, items: list[str], labels: str) -> dict:
+    write(tmp / "eval" / "piqa" / "valid.jsonl", "".join(i + "\n" for i in items))
+    write(tmp / "eval" / "piqa" / "valid-labels.lst", labels)
+    return {"downstream.tasks": "piqa", "downstream.data_dir": str(tmp / "eval")}
+
+
+PIQA_OK = json.dumps({"goal": "open a jar", "sol1": "twist the lid", "sol2": "eat the lid"})
+
+BAD = [
+    # config values
+    Bad("unknown_key", {"nonsense_key": 1}, "nonsense_key", r"unknown config key 'nonsense_key'"),
+    Bad("unknown_nested_key", {"model.nonsense": 1}, "model.nonsense", r"unknown config key 'model.nonsense'"),
+    Bad("wrong_type", {"steps": "ten"}, "steps", r"invalid literal for int\(\).*'ten"),
+    Bad("non_boolean", {"model.remat": "maybe"}, "model.remat", r"Non-boolean argument"),
+    Bad("zero_steps", {"steps": 0}, "steps", r"0 must be ≥ 1"),
+    Bad("zero_H", {"H": 0}, "H", r"0 must be ≥ 1"),
+    Bad("unknown_scale", {"scale": "70B"}, "scale", r"'70B' is not one of"),
+    Bad("seq_len_over_scale", {"seq_len": 4096}, "seq_len", r"4096 exceeds scale 'tiny'"),
+    Bad("batch_not_divisible", {"batch_size": 5}, "batch_size", r"global batch 5 is not divisible by replicas=2"),
+    Bad("alpha_range", {"alpha": 1.5}, "alpha", r"1.5 must be in \[0, 1\]"),
+    Bad("tau_not_below_H", {"tau": 30, "H": 30}, "tau", r"tau=30 must satisfy 0 ≤ tau < H=30"),
+    Bad("replica_tau_not_ints", {"replica_tau": "1,x"}, "replica_tau", r"comma-separated integers"),
+    Bad("replica_tau_count", {"replica_tau": "1,2,3"}, "replica_tau", r"3 values given for replicas=2"),
+    Bad("codec", {"codec": "fp3"}, "codec", r"fp3"),
+    Bad("pattern", {"pattern": "random"}, "pattern", r"'random' is not one of"),
+    Bad("too_many_fragments", {"fragments": 9, "layers_per_fragment": 0}, "fragments", r"9"),
+    Bad("outer_lr", {"outer.lr": 0.0}, "outer", r"need outer.lr > 0"),
+    Bad("inner_lr", {"optimizer.lr": -1.0}, "optimizer.lr", r"-1.0 must be > 0"),
+    Bad("dtype", {"model.dtype": "int8"}, "model.dtype", r"'int8' is not one of"),
+    Bad("diloco_with_tau", {"tau": 1}, "method", r"diloco is P=1, tau=0", method="diloco"),
+    # fault knobs
+    Bad("nan_policy", {"faults.nan_policy": "ignore"}, "faults.nan_policy", r"'ignore' is not one of"),
+    Bad("nan_replica", {"faults.nan_step": 2, "faults.nan_replica": 5}, "faults.nan_replica",
+        r"5 is not a replica index in 0..1"),
+    Bad("nan_step_past_end", {"faults.nan_step": 999}, "faults.nan_step", r"999 must be a step in 1..steps=6"),
+    Bad("nan_outer_on_dp", {"faults.nan_step": 2, "faults.nan_target": "outer"}, "faults.nan_target",
+        r"'outer' needs method diloco or streaming", method="dp"),
+    Bad("miss_sync_without_step", {"faults.miss_sync_replica": 1}, "faults.miss_sync_step",
+        r"set faults.miss_sync_step ≥ 1"),
+    Bad("restart_on_dp", {"faults.restart_replica": 0, "faults.restart_step": 2}, "faults.restart_replica",
+        r"replica faults need method diloco or streaming", method="dp"),
+    Bad("restart_replica_index", {"faults.restart_replica": 2, "faults.restart_step": 2},
+        "faults.restart_replica", r"2 must be -1 \(off\) or a replica index in 0..1"),
+    # vocabularies and corpora
+    Bad("vocab_unknown", {"vocab": "wordpiece"}, "vocab", r"unknown vocab 'wordpiece'"),
+    Bad("vocab_missing_file", {"vocab": "sentencepiece:/nonexistent/spm.model"}, "vocab", r"not found"),
+    Bad("data_unknown", {"data": "bogus"}, "data", r"unknown data spec 'bogus'"),
+    Bad("data_missing_files", {"data": "jsonl:/nonexistent/*.jsonl"}, "data", r"matches no file"),
+    Bad("c4_not_prepared", {"data": "c4", "data_dir": "/nonexistent/tfds"}, "data_dir",
+        r"no prepared TFDS 'c4' dataset under '/nonexistent/tfds'.*tfds build c4/en"),
+    Bad("jsonl_empty_file", lambda t: jsonl(t, b""), "data", r"empty corpus"),
+    Bad("jsonl_not_json", lambda t: jsonl(t, "this is not json\n"), "data", r"first line is not JSON"),
+    Bad("jsonl_non_utf8", lambda t: jsonl(t, b'{"text": "caf\xe9"}\n'), "data", r"first line is not JSON"),
+    Bad("jsonl_no_text_field", lambda t: jsonl(t, '{"content": "hello"}\n'), "data",
+        r"records need a string 'text' field \(first record has \['content'\]\)"),
+    Bad("jsonl_text_not_string", lambda t: jsonl(t, '{"text": 42}\n'), "data", r"string 'text' field"),
+    Bad("text_non_utf8", lambda t: text_files(t, [b"fine", b"caf\xe9 latin-1"]), "data", r"is not UTF-8 text"),
+    Bad("text_all_empty", lambda t: text_files(t, [b"", b""]), "data", r"empty corpus: all 2 file\(s\)"),
+    Bad("text_no_validation_split", lambda t: text_files(t, [b"only one small document"]), "data",
+        r"the 'validation' split of .* is empty"),
+    # downstream evaluation (runs late in a run, so it is checked up front)
+    Bad("eval_task_unknown", {"downstream.tasks": "hellaswag2"}, "downstream.tasks", r"unknown task\(s\) \['hellaswag2'\]"),
+    Bad("eval_data_missing", {"downstream.tasks": "piqa", "downstream.data_dir": "/nonexistent/eval"},
+        "downstream.data_dir", r"piqa \(validation split\): no data under /nonexistent/eval"),
+    Bad("eval_item_bad_label", lambda t: piqa_dir(t, [PIQA_OK, PIQA_OK], "0\n7\n"), "downstream.data_dir",
+        r"1 malformed item.*valid.jsonl:2.*label '7' is not 0 or 1"),
+    Bad("eval_item_not_json", lambda t: piqa_dir(t, [PIQA_OK, "{oops"], "0\n1\n"), "downstream.data_dir",
+        r"valid.jsonl:2: not valid JSON"),
+    Bad("eval_item_missing_field", lambda t: piqa_dir(t, [json.dumps({"goal": "g", "sol1": "a"})], "1\n"),
+        "downstream.data_dir", r"valid.jsonl:1.*missing field 'sol2'"),
+    Bad("eval_labels_count", lambda t: piqa_dir(t, [PIQA_OK, PIQA_OK], "0\n"), "downstream.data_dir",
+        r"1 labels for 2 items"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b.id for b in BAD])
+def test_bad_config_or_data_names_field_and_says_what_is_wrong(case: Bad, tmp_path):
+    overrides = case.overrides(tmp_path) if callable(case.overrides) else case.overrides
+    with pytest.raises(ConfigError) as e:
+        tiny_config(case.method, **overrides)
+    assert e.value.field == case.field, str(e.value)
+    assert re.search(case.message, str(e.value), re.S), str(e.value)
+
+
+def test_the_table_is_big_enough():
+    assert len(BAD) >= 20 and len({b.id for b in BAD}) == len(BAD)
+
+
+# -- bad input outside the config values -----------------------------------------------------------
+def test_missing_spec_file():
+    from diloco.config import load_config
+
+    with pytest.raises(ConfigError, match=r"spec file 'experiments/nope.py' not found") as e:
+        load_config("experiments/nope.py:dp")
+    assert e.value.field == "config"
+
+
+def test_override_without_config_prefix():
+    from diloco.config import load_config
+
+    with pytest.raises(ConfigError, match="unknown flag; overrides look like --config.key=value") as e:
+        load_config("experiments/toy.py:dp", ["--steps=3"])
+    assert e.value.field == "--steps"
+
+
+def test_replica_axis_that_does_not_divide_the_devices():
+    from diloco.config import validate
+
+    with pytest.raises(ConfigError, match=r"3 must divide both the 1 devices and replicas=2") as e:
+        validate(tiny_config("streaming", **{"mesh.replica_axis": 3}), num_devices=1)
+    assert e.value.field == "mesh.replica_axis"
+
+
+def test_resuming_a_workdir_with_a_different_config(tmp_path):
+    from diloco.config import to_json
+    from diloco.train import train
+
+    (tmp_path / "config.json").write_text(to_json(tiny_config("dp", steps=5)))
+    with pytest.raises(ConfigError, match=r"holds a run with a different config; use a new --workdir") as e:
+        train(tiny_config("dp", steps=6), tmp_path, progress=False)
+    assert e.value.field == "workdir"
+
+
+def test_malformed_eval_items_of_every_task_name_file_and_line(tmp_path):
+    from diloco.eval import tasks as T
+
+    hs = {"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x", "y"], "label": 1}
+    write(tmp_path / "hellaswag" / "hellaswag_val.jsonl", json.dumps(hs) + "\n" + json.dumps({**hs, "label": 4}) + "\n")
+    arc = {"id": "q", "question": {"stem": "s", "choices": [{"text": "a", "label": "A"}, {"text": "b", "label": "B"}]},
+           "answerKey": "C"}
+    write(tmp_path / "arc" / "ARC-Easy-Test.jsonl", json.dumps(arc) + "\n")
+    with pytest.raises(T.MalformedItem, match=r"hellaswag_val.jsonl:2: label 4 is not an index into 2 endings"):
+        T.load_docs("hellaswag", tmp_path)
+    with pytest.raises(T.MalformedItem, match=r"ARC-Easy-Test.jsonl:1: answerKey 'C' is not one of"):
+        T.load_docs("arc_easy", tmp_path)
+
+
+def test_documents_shorter_than_the_sequence_are_packed_not_padded(tmp_path):
+    """Not an error: short documents are concatenated (EOS-separated) into full rows."""
+    from diloco.data import TokenBatches
+
+    overrides = text_files(tmp_path, [f"doc {i}".encode() for i in range(40)])
+    it = TokenBatches(overrides["data"], "byte", seq_len=32, batch_size=4, seed=0)
+    x = next(it)
+    assert x.shape == (4, 32) and not np.any(x == 0) and (x == 1).sum() >= 4 * 32 // 8
+
+
+def test_shared_eval_data_is_accepted(shared_dir):
+    """The positive control: the real validation items in their original schemas pass the same checks."""
+    tiny_config("streaming", **{"downstream.tasks": "piqa,hellaswag,arc_easy",
+                                "downstream.data_dir": str(shared_dir / "data" / "eval")})
