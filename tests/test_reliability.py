@@ -442,3 +442,37 @@ def test_sigkill_twice_after_checkpoints_then_resume_is_exact(tmp_path, method):
     assert cut["params_sha256"] == whole["params_sha256"]
     assert cut["bytes_exchanged_total"] == whole["bytes_exchanged_total"]
     assert without_timing(metric_rows(tmp_path / "cut")) == without_timing(metric_rows(tmp_path / "whole"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# two sweep processes on one root
+SWEEP = '''
+def get_sweep(arg=""):
+    return {"name": "two", "experiment": "experiments/toy.py:diloco", "points": [{"H": h} for h in (1, 2, 3)]}
+'''
+
+
+@pytest.mark.slow
+def test_two_sweeps_on_one_root_run_every_point_exactly_once(tmp_path):
+    sweep = tmp_path / "two.py"
+    sweep.write_text(SWEEP)
+    sets = [f"--set={k}={v}" for k, v in {"scale": "tiny", "seq_len": 32, "batch_size": 4, "steps": 6, "log_every": 2,
+                                          "eval_every": 3, "eval_batches": 1, "checkpoint_every": 3}.items()]
+    cmd = [sys.executable, "-m", "diloco.cli", "sweep", str(sweep), "--root", str(tmp_path / "root"), *sets]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    points = sorted((tmp_path / "root" / "two").iterdir())
+    assert [p.name for p in points] == ["H=1", "H=2", "H=3"]
+    done = [line.split()[-1] for out in outs for line in out.splitlines() if line.startswith("done ")]
+    assert sorted(done) == ["H=1", "H=2", "H=3"], outs  # each point trained by exactly one of the two
+    for wd in points:
+        assert (wd / "train.log").read_text().count("\n$ ") == 1  # one training command ever started here
+        assert not (wd / "failed.json").exists() and not (wd / ".lock").exists()
+        for f in ("summary.json", "config.json", "point.json"):
+            json.loads((wd / f).read_text())
+        rows = metric_rows(wd)
+        assert [r["step"] for r in rows] == [2, 3, 4, 6]
+        assert json.loads((wd / "summary.json").read_text())["H"] == int(wd.name[2:])
+        assert not list(wd.glob(".*.tmp"))
