@@ -121,6 +121,19 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
              "numbers these are compared with (not generated).", "", "## Steps", "",
              "| step | command | seconds |", "|---|---|---|"]
     lines += [f"| {name} | `{c}` | {secs:.0f} |" for name, c, secs in steps]
+    sweeps = {}
+    for p in sorted(root.glob("*/*/point.json")):
+        try:
+            pt = json.loads(p.read_text())
+        except ValueError:
+            continue
+        f = Path(pt.get("sweep_file", ""))
+        rel = f.relative_to(REPO) if f.is_absolute() and REPO in f.parents else f
+        sweeps.setdefault(pt.get("sweep", p.parent.parent.name), f"{rel}{':' + pt['sweep_arg'] if pt.get('sweep_arg') else ''}")
+    if sweeps:
+        lines += ["", "## Sweeps in the records", "",
+                  "Every run folder under the root, by sweep (each run's exact command is in its `point.json`):", ""]
+        lines += [f"- `{name}`: `diloco sweep {spec} --root {root}`" for name, spec in sorted(sweeps.items())]
     lines += ["", "## Headline (toy scale)", "", "```", headline_text(h), "```", "",
               "## Files", ""]
     for f in sorted(set(files)):

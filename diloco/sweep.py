@@ -187,9 +187,11 @@ def _train_in_process(cmd: list[str], log) -> int:
     with redirect_stdout(log), redirect_stderr(log):
         try:
             return int(train_main(cmd[cmd.index("train") + 1:]) or 0)
-        except BaseException as e:  # a crash of one point must not end the worker
+        except KeyboardInterrupt:
+            return 130
+        except Exception:  # a crash of one point must not end the worker
             traceback.print_exc()
-            return 130 if isinstance(e, KeyboardInterrupt) else 1
+            return 1
 
 
 def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,
@@ -227,6 +229,8 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
                                     env={**os.environ, **(env or {})}).returncode
         secs = round(time.time() - t0, 1)
+        if rc == 130:  # interrupted (Ctrl-C / SIGTERM): the run checkpointed itself; stop the sweep
+            raise KeyboardInterrupt(f"{wd}: interrupted; rerun the sweep to resume")
         if rc == 0 and (wd / "summary.json").exists():
             (wd / "failed.json").unlink(missing_ok=True)
             return {**row, "status": "done", "seconds": secs, **_summary_bits(wd)}
@@ -260,7 +264,8 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
     n, done, lock = len(pts), [0], threading.Lock()
     running: dict[str, Path] = {}
     stop = threading.Event()
-    say = (lambda *a: None) if quiet else (lambda msg: print(msg, flush=True))
+    console = sys.stdout  # in-process training redirects sys.stdout into a run's train.log meanwhile
+    say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=console, flush=True))
     tag = sweep.get("label", sweep["name"])
     say(f"[{tag}] {n} point(s) under {root / sweep['name']} ({workers} at a time)")
 

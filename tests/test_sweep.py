@@ -134,3 +134,14 @@ def test_a_locked_point_is_not_run(tmp_path):
     (wd / sw.LOCK).write_text(f"{socket.gethostname()}:{os.getppid()}")  # a live process holds it
     assert [r["status"] for r in sw.run_sweep(s, tmp_path / "root", quiet=True)] == ["locked"]
     assert not (wd / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_in_process_pool_records_a_failure_once(tmp_path):
+    f = _write_sweep(tmp_path, '[{"arg": "tiny,diloco_h30", "tau": 3}, {"arg": "tiny,dp"}]')
+    s = sw.load_sweep(str(f))
+    res = sw.run_sweep(s, tmp_path / "root", workers=2, extra=[f"--config.{k}={v}" for k, v in FAST.items()],
+                       quiet=True, in_process=True)
+    assert {r["point"]: r["status"] for r in res} == {"tiny+diloco_h30,tau=3": "failed", "tiny+dp": "done"}
+    log = (tmp_path / "root" / "t" / "tiny+diloco_h30,tau=3" / "train.log").read_text()
+    assert log.count("$ ") == 1  # tried by one worker only
