@@ -60,9 +60,23 @@ def paper_label(cfg: dict) -> str:
     return f"{tag}_h{cfg['H']}"
 
 
+def _sweep_order(point: dict, cache: dict) -> dict:
+    """{point name: index} in the sweep file's own order (for tables/plots), {} if unavailable."""
+    key = (point.get("sweep_file"), point.get("sweep_arg"))
+    if key not in cache:
+        try:
+            from diloco.sweep import load_sweep
+
+            s = load_sweep(f"{key[0]}:{key[1]}" if key[1] else key[0])
+            cache[key] = {p["name"]: i for i, p in enumerate(s["points"])}
+        except Exception:  # the sweep file moved or changed: fall back to sorting by the axes
+            cache[key] = {}
+    return cache[key]
+
+
 def load_runs(root: str | Path) -> pd.DataFrame:
     """One row per run folder (a folder with config.json) anywhere under root."""
-    rows = []
+    rows, orders = [], {}
     for cfg_path in sorted(Path(root).rglob("config.json")):
         wd = cfg_path.parent
         if "ckpt" in wd.parts:
@@ -87,10 +101,13 @@ def load_runs(root: str | Path) -> pd.DataFrame:
         for k, v in (point.get("point") or {}).items():
             if k != "arg":
                 row[f"ax_{k}"] = v
+        row["point_index"] = _sweep_order(point, orders).get(wd.name) if point.get("sweep_file") else None
         row["axis_order"] = ",".join(f"ax_{k}" for k in point.get("axes", point.get("point") or {}) if k != "arg")
         if summ:
             row.update({k: summ.get(k) for k in SUMMARY_COLS})
             row["H"] = summ.get("H")  # None for DP
+            sizes = summ.get("fragment_sizes") or []
+            row["largest_fragment_share"] = max(sizes) / sum(sizes) if sizes else 1.0
             for t in TASKS:
                 row[t] = (summ.get("downstream") or {}).get(t, {}).get("acc") if isinstance(
                     (summ.get("downstream") or {}).get(t), dict) else (summ.get("downstream") or {}).get(t)
@@ -134,6 +151,8 @@ def _cell(v) -> str:
         return ""
     if isinstance(v, (float, np.floating)):
         a = abs(v)
+        if float(v).is_integer() and a < 1e15:
+            return str(int(v))
         return f"{v:.4g}" if a and (a < 1e-3 or a >= 1e6) else f"{v:.4f}".rstrip("0").rstrip(".") if a < 100 else f"{v:.1f}"
     return str(v)
 
@@ -320,6 +339,7 @@ def bytes_table(df: pd.DataFrame) -> pd.DataFrame:
             out.append({"sweep": sweep, "scale": scale, "setting": r.point, "method": r.label, "H": r.H,
                         "M": r.replicas, "steps": r.steps, "params": r.params, "syncs": r.syncs,
                         "bytes_total": r.bytes_exchanged_total, "bytes_peak_per_sync": r.bytes_peak_per_sync,
+                        "largest_fragment_share": r.largest_fragment_share,
                         "dp_total_over_ours": dp / r.bytes_exchanged_total if r.bytes_exchanged_total else np.nan,
                         "diloco_peak_over_ours": dil / r.bytes_peak_per_sync if r.bytes_peak_per_sync else np.nan})
     return pd.DataFrame(out)
@@ -332,13 +352,19 @@ def ablation_table(g: pd.DataFrame) -> pd.DataFrame:
     g = g.copy()
     keys = [pd.to_numeric(g[c], errors="coerce").fillna(0) if pd.to_numeric(g[c], errors="coerce").notna().all()
             else g[c].astype(str) for c in axes]
-    if axes:
+    if "point_index" in g and g.point_index.notna().all():
+        g = g.sort_values("point_index", kind="stable")
+    elif axes:
         order = pd.DataFrame({f"k{i}": k.values for i, k in enumerate(keys)}).sort_values(
             [f"k{i}" for i in range(len(keys))], kind="stable").index
         g = g.iloc[order]
     ref = g.final_eval_loss.iloc[0]
     cols = {c: c.split("_", 1)[1] for c in axes}
     t = g[axes].rename(columns=cols)
+    if "replica_tau" in t:  # heterogeneous workers "τ1,τ2": plot against τ2
+        t.insert(list(t.columns).index("replica_tau"), "tau2",
+                 [int(str(v).split(",")[-1]) if str(v).replace(",", "").isdigit() else np.nan for v in t.replica_tau])
+        t = t.drop(columns=["replica_tau"])
     t.insert(0, "scale", g.scale.values)
     t["status"] = g.status.values
     t["eval_loss"] = g.final_eval_loss.values
@@ -383,8 +409,10 @@ def plot_loss_curves(df: pd.DataFrame, sweep: str, path: Path) -> None:
 
 def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
     """x = the first numeric axis, one line per value of the other axes; bars when no axis is numeric."""
+    t = t[(t.status == "done") & t.eval_loss.notna()]
+    if t.empty:
+        return
     plt = _plt()
-    t = t[t.status == "done"]
     axes = [c for c in t.columns if c not in ("scale", "status", "eval_loss", "vs_first_pct", "bytes_total",
                                                "bytes_peak_per_sync", "fragments")]
     num = [c for c in axes if pd.to_numeric(t[c], errors="coerce").notna().all() and t[c].nunique() > 1]
@@ -398,8 +426,9 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
             ax.plot(g._x, g.eval_loss, "o-", label=", ".join(f"{c}={k}" for c, k in
                                                                zip(rest, key if isinstance(key, tuple) else (key,))) or None)
         ax.set_xlabel(x)
-        if x in ("H",) or (pd.to_numeric(t[x]).max() / max(pd.to_numeric(t[x]).min(), 1e-9) > 50):
-            ax.set_xscale("symlog" if pd.to_numeric(t[x]).min() <= 0 else "log")
+        xs = pd.to_numeric(t[x])
+        if xs.min() > 0 and (x == "H" or xs.max() / xs.min() > 50):
+            ax.set_xscale("log")
         if rest:
             ax.legend(fontsize=8)
     else:
@@ -444,7 +473,9 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
               ("bytes_exchanged", "Bytes exchanged per method (total and peak per sync)", bytes_table,
                "Bytes one replica sends, summed over replicas (DP: bf16 gradients every step). Paper: ≈400× fewer "
                "total bits than DP for Streaming FP4 at H=100 (Table 1, 441 TB / 1.10 TB) and a peak 8× lower than "
-               "DiLoCo at 1B (24 blocks / 3 per fragment).")]
+               "DiLoCo at 1B (24 blocks / 3 per fragment). Our peak ratio to DiLoCo is the fragment share "
+               "(`largest_fragment_share`: its largest fragment / all parameters) times the codec's (E3M0 ≈ 0.52 "
+               "bytes per parameter vs FP32's 4).")]
     for name, title, fn, notes in tables:
         t = fn(df)
         if not t.empty:

@@ -113,7 +113,7 @@ def headline_text(h: dict) -> str:
 
 
 def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, str, float]], h: dict,
-                 files: list[Path]) -> Path:
+                 files: list[Path], history: list[dict]) -> Path:
     cmd = "diloco reproduce" + (" " + shlex.join(argv) if argv else "")
     lines = ["# results/ — generated", "",
              f"Made by `{cmd}` (run records under `{root}`), {time.strftime('%Y-%m-%d %H:%M')} ; regenerate the "
@@ -121,6 +121,13 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
              "numbers these are compared with (not generated).", "", "## Steps", "",
              "| step | command | seconds |", "|---|---|---|"]
     lines += [f"| {name} | `{c}` | {secs:.0f} |" for name, c, secs in steps]
+    if history:
+        lines += ["", "## Invocations on this root", "",
+                  "Every `diloco reproduce` on this root (a rerun skips finished runs, so only a run that trained "
+                  "them measures the job):", "", "| started | command | runs trained | skipped | failed | minutes |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {e['started']} | `{e['command']}` | {e['trained']} | {e['skipped']} | {e['failed']} | "
+                  f"{e['minutes']:.1f} |" for e in history]
     sweeps = {}
     for p in sorted(root.glob("*/*/point.json")):
         try:
@@ -207,13 +214,15 @@ def main(argv: list[str]) -> int:
         counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
         _say(f"{n} training runs ({counts}), "
              f"{args.workers} at a time, under {root}; then bytes, simulator, tables → {out}/")
-        failed = 0
+        failed = trained = skipped = 0
         for name, spec, s in loaded:
             t0 = time.time()
             _say(f"{name}: diloco sweep {spec} --root {root} -j {args.workers}")
             res = sw.run_sweep(s, root, args.workers, extra, in_process=not args.process_per_run, env=jax_cache)
             print(sw.format_table(res), flush=True)
             failed += sum(r["status"] == "failed" for r in res)
+            trained += sum(r["status"] == "done" for r in res)
+            skipped += sum(r["status"] == "skipped" for r in res)
             steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
                                             *([] if args.process_per_run else ["--in-process"]),
                                             *[f"--set={e[len('--config.'):]}" for e in extra]]), time.time() - t0))
@@ -236,7 +245,14 @@ def main(argv: list[str]) -> int:
         h = headline(root)
         (out / "headline.json").write_text(json.dumps(h, indent=1) + "\n")
         files.append(out / "headline.json")
-        readme = write_readme(out, root, argv, steps, h, files)
+        hist_path = root / "reproduce_history.jsonl"
+        with open(hist_path, "a") as f:
+            f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t_start)),
+                                "command": "diloco reproduce" + (" " + shlex.join(argv) if argv else ""),
+                                "trained": trained, "skipped": skipped, "failed": failed,
+                                "minutes": round((time.time() - t_start) / 60, 2)}) + "\n")
+        history = [json.loads(l) for l in hist_path.read_text().splitlines() if l.strip()]
+        readme = write_readme(out, root, argv, steps, h, files, history)
     except ConfigError as e:
         print(f"diloco reproduce: bad input: {e}", file=sys.stderr)
         return 2
