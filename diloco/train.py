@@ -349,9 +349,10 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
                 for v in _fault_poison(cfg, tr.R, t, "outer"):  # replica's params go bad before the send
                     state = {**state, "params": jax.tree_util.tree_map(
                         lambda x: x * v.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), state["params"])}
+                finite_R = _replica_finite(state["params"]) if tr.schedule.sends(t) else None  # culprit, pre-merge
                 state, sent = tr.run_syncs(state, t, contrib=contrib)
                 for p, nb in sent:
-                    _check_pending_finite(state, p, t, max(ck.steps(), default=0))
+                    _check_pending_finite(state, p, t, max(ck.steps(), default=0), finite_R)
                     counters["bytes_exchanged"] += nb
                     counters["syncs"] += 1
                     key = str(p)
@@ -537,20 +538,25 @@ def _restart_replica(tr: Trainer, state, m: int):
     return {**state, "params": params, "opt": opt}
 
 
-def _check_pending_finite(state, p: int, t: int, last_ckpt: int = 0) -> None:
+def _replica_finite(params_R):
+    """(R,) bool on device, not fetched unless a fault is found: which replicas hold only finite values."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree_util.tree_leaves(params_R)
+    return jnp.stack([jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]).all(0)
+
+
+def _check_pending_finite(state, p: int, t: int, last_ckpt: int = 0, finite_R=None) -> None:
     v = np.asarray(state["outer"]["pending"][p])
     if not np.all(np.isfinite(v)):
-        leaves = [np.asarray(x) for x in state_leaves(state["params"])]
-        bad = [m for m in range(leaves[0].shape[0]) if not all(np.isfinite(x[m]).all() for x in leaves)]
+        try:
+            bad = [m for m, ok in enumerate(np.asarray(finite_R)) if not ok]
+        except Exception:  # None, or not addressable from this process
+            bad = "unknown"
         raise NumericalFault(f"step {t}: the averaged outer gradient of fragment {p} is not finite "
                              f"({int((~np.isfinite(v)).sum())} bad values; non-finite parameters on replica(s) "
                              f"{bad}); the run stopped and the last good checkpoint (step {last_ckpt}) is kept")
-
-
-def state_leaves(tree) -> list:
-    import jax
-
-    return jax.tree_util.tree_leaves(tree)
 
 
 def _downstream_due(cfg, t: int) -> bool:
