@@ -295,6 +295,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     metrics_path = workdir / "metrics.jsonl"
     if primary:
         _truncate_metrics(metrics_path, start)
+        _truncate_metrics(workdir / "downstream.jsonl", start)
     evals = [dist.global_array(np.asarray(b), tr.repl_sharding) for b in eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R,
                                                    cfg.eval_batches, data_dir=cfg.data_dir or None)]
     tb = _tb_writer(workdir) if primary else None
