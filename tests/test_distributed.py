@@ -100,3 +100,32 @@ def test_netns_script_shapes_links():
         assert "10.77.0.1/24" in st and "10.77.0.2/24" in st and "rate 50Mbit" in st
     finally:
         subprocess.run([script, "down", "2"], capture_output=True)
+
+
+def test_cross90_interpolates_in_log_rate():
+    from diloco.netbench import cross90
+
+    assert cross90([1, 10, 100], [0.5, 0.8, 1.0]) == pytest.approx(10 ** 1.5)
+    assert cross90([1, 10], [0.95, 1.0]) == 1
+    assert cross90([1, 10], [0.1, 0.2]) is None
+
+
+def test_simulated_cu_rises_with_bandwidth_and_fp4_needs_less():
+    from diloco.netbench import simulated_cu
+
+    base = dict(layers=6, params=320512, step_time_s=0.06, H=20, fragments=2, tau=1)
+    fp4 = {**base, "method": "streaming_overlap_fp4", "payload_bytes": [88988, 76280]}
+    dp = {**base, "method": "dp", "fragments": 1, "tau": 0, "payload_bytes": [641024]}
+    cus = [simulated_cu(fp4, g) for g in (1e-3, 1e-2, 1e-1)]
+    assert cus == sorted(cus) and cus[-1] > 0.99
+    assert simulated_cu(dp, 1e-2) < simulated_cu(fp4, 1e-2)
+
+
+@pytest.mark.slow
+def test_netbench_throughput_on_loopback(tmp_path):
+    out = tmp_path / "tp.json"
+    r = _run(["launch", "--processes", "2", "--", "netbench", "throughput", "--mb", "1", "--repeats", "2",
+              "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["processes"] == 2 and res["mbit_per_s"] > 0

@@ -1,0 +1,535 @@
+"""Real links between replica processes: achieved throughput, and measured compute utilisation.
+
+Run under `diloco launch` (one process per replica), usually inside the throttled namespaces of
+scripts/netns.sh:
+
+  scripts/netns.sh up 2 100mbit
+  diloco launch --processes 2 --netns --comm_device -- netbench throughput --mb 4
+  diloco launch --processes 2 --netns --comm_device -- netbench cu --out cu.json
+  diloco netbench sweep --rates 1mbit,10mbit,100mbit --out results/overlap    # root: shapes + launches
+
+`throughput` times the all-gather the outer exchange uses (jax.lax.all_gather over `replica` in
+shard_map, gloo over TCP). `cu` runs the toy model's inner steps with each method's exchange and
+reports compute utilisation = wall time without exchange / wall time with it (docs/distributed.md).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from diloco import distributed as dist
+
+METHODS = ("dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
+# method -> (spec overrides of experiments/toy.py:streaming for the DiLoCo family, codec)
+FAMILY = {
+    "diloco": dict(fragments=1, layers_per_fragment=0, tau=0, codec="bf16"),
+    "streaming": dict(fragments=0, layers_per_fragment=3, tau=0, codec="bf16"),
+    "streaming_overlap": dict(fragments=0, layers_per_fragment=3, tau=1, codec="bf16"),
+    "streaming_overlap_fp4": dict(fragments=0, layers_per_fragment=3, tau=1, codec="e3m0"),
+}
+
+
+# -- meshes and global arrays over the processes -------------------------------------------------
+def exchange_devices() -> list:
+    """One device per process: the comm device when reserved, else each process's only device."""
+    import jax
+
+    return dist.comm_devices() or [min((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+                                   for i in range(jax.process_count())]
+
+
+def replica_mesh(devices: list):
+    import jax
+
+    return jax.sharding.Mesh(np.array(devices), ("replica",))
+
+
+def stack_local(x_local, mesh):
+    """(1, …) on this process's mesh device → global (M, …) sharded on `replica`."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    dev = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    x = jax.device_put(x_local, dev)
+    shape = (mesh.devices.size,) + tuple(x.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("replica")), [x])
+
+
+def local_value(x_global):
+    return x_global.addressable_shards[0].data
+
+
+# -- throughput --------------------------------------------------------------------------------------
+def throughput(mb: float, repeats: int = 5) -> dict:
+    """Median time of an all-gather of `mb` MB per process over the replica axis."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    mesh = replica_mesh(exchange_devices())
+    n = int(mb * 2**20)
+    x = stack_local(jnp.ones((1, n), jnp.uint8), mesh)
+    gather = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "replica", tiled=True)[:, :1], mesh=mesh,
+                                   in_specs=P("replica"), out_specs=P(), check_vma=False))
+    gather(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gather(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"mb_per_process": mb, "processes": jax.process_count(), "seconds": times, "median_s": med,
+            "mbit_per_s": n * 8 / 1e6 / med}
+
+
+# -- compute utilisation -------------------------------------------------------------------------------
+class Events:
+    """Wall-clock events of one process, relative to t0 (steps, exchange start/end, apply waits)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.rows: list[dict] = []
+        self.lock = threading.Lock()
+
+    def add(self, kind: str, **kw) -> float:
+        now = time.perf_counter()
+        with self.lock:
+            self.rows.append({"kind": kind, "t": now - self.t0, **kw})
+        return now
+
+    def watch(self, x, **kw) -> None:
+        """Record when `x` becomes ready, from a thread (never blocks the loop)."""
+        threading.Thread(target=lambda: (x.block_until_ready(), self.add("exchange_end", **kw)), daemon=True).start()
+
+
+def _toy_cfg(method: str, scale: str, H: int, batch: int, seq_len: int, steps: int):
+    from diloco.config import load_config
+
+    over = {"scale": scale, "replicas": 1, "batch_size": batch, "seq_len": seq_len, "steps": steps, "H": H,
+            "alpha": 0.0, "codec_block_size": 256}
+    if method == "dp":
+        spec = "experiments/toy.py:dp"
+    else:
+        spec = "experiments/toy.py:streaming"
+        over.update(FAMILY[method])
+    return load_config(spec, [f"--config.{k}={v}" for k, v in over.items()])
+
+
+def _batches(seq_len: int, batch: int, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 250, size=(1, batch, seq_len), dtype=np.int32) for _ in range(n)]
+
+
+def _exchange_fn(codec, n: int, mesh):
+    """The OuterSync exchange (encode → all-gather over `replica` → decode, FP32 average)."""
+    import jax
+
+    from diloco.outer.sync import OuterSync
+
+    sync = OuterSync(None, codec, None, 0.0, mesh)  # only _exchange is used: frags/tx unused
+    return jax.jit(lambda d, k, w: sync._exchange(d, k, w))
+
+
+_CACHE: dict = {}
+
+
+class FamilyLoop:
+    """Inner steps of one replica on this process; fragment exchanges on the comm devices."""
+
+    def __init__(self, method: str, scale: str, H: int, batch: int, seq_len: int, steps: int, exchange: bool):
+        import jax
+        import jax.numpy as jnp
+
+        from diloco.outer.codecs import make_codec
+        from diloco.train import Trainer
+
+        from diloco.outer.schedule import make_schedule
+
+        self.cfg = c = _toy_cfg(method, scale, H, batch, seq_len, steps)
+        dev = (dist.compute_devices() or exchange_devices())[jax.process_index()]
+        key = ("trainer", c.fragments, c.layers_per_fragment, scale, batch, seq_len, steps)
+        if key not in _CACHE:  # the jitted pieces do not depend on τ or the codec: compile once
+            _CACHE[key] = Trainer(c, "/tmp/unused", need_data=False, devices=[dev])
+        self.tr = _CACHE[key]
+        self.dev, self.exchange, self.jax, self.jnp = dev, exchange, jax, jnp
+        self.mesh = replica_mesh(exchange_devices())
+        frags = self.tr.sync.frags
+        self.schedule = make_schedule(c.H, frags.P, c.tau, 1, "")
+        self.codec = make_codec(c.codec, c.codec_block_size, c.codec_rounding)
+        self.xfn = [_CACHE.setdefault(("x", key, c.codec, p), _exchange_fn(self.codec, frags.sizes[p], self.mesh))
+                    for p in range(frags.P)]
+        self.delta = [_CACHE.setdefault(("d", key, p), jax.jit(functools.partial(self._delta, p=p)))
+                      for p in range(frags.P)]
+        self.inner = self.tr.inner_step_fn()
+        self.pending: dict[int, Any] = {}
+
+    def _delta(self, params_R, outer, p: int):
+        f = self.tr.sync.frags
+        return f.flatten(outer["params"], p)[None] - self.jax.vmap(lambda t: f.flatten(t, p))(params_R)
+
+    def send(self, state, t: int, p: int, ev: Events):
+        jax, jnp = self.jax, self.jnp
+        d = self.delta[p](state["params"], state["outer"])
+        if not self.exchange:
+            self.pending[p] = d[0]
+            return
+        key = jax.random.fold_in(jax.random.PRNGKey(1 + jax.process_index()), t * 64 + p)
+        args = (stack_local(d, self.mesh), stack_local(key[None], self.mesh),
+                stack_local(jnp.ones((1,), jnp.float32), self.mesh))
+        ev.add("exchange_start", step=t, fragment=p)
+        out = self.xfn[p](*args)
+        ev.watch(out, step=t, fragment=p)
+        self.pending[p] = out
+
+    def apply(self, state, t: int, p: int, ev: Events):
+        avg = self.pending.pop(p)
+        if self.exchange:
+            w0 = time.perf_counter()
+            avg = local_value(avg)
+            avg.block_until_ready()
+            ev.add("apply_wait", step=t, fragment=p, waited_s=time.perf_counter() - w0)
+        avg = self.jax.device_put(avg, self.dev)
+        pend = list(state["outer"]["pending"])
+        pend[p] = avg
+        return self.tr._sync_fn("update", p)({**state, "outer": {**state["outer"], "pending": pend}})
+
+    def precompile(self, batch: np.ndarray) -> None:
+        """Compile every jitted piece (and run each exchange once) outside the timed window."""
+        jax, tr, P = self.jax, self.tr, self.tr.sync.frags.P
+        state, _, _ = self.inner(tr.fresh_state(), jax.device_put(batch, tr.batch_sharding))
+        ev = Events()
+        for p in range(P):
+            self.send(state, 0, p, ev)
+            state = self.apply(state, 0, p, ev)
+            state = tr._sync_fn("merge", p)(state, self.jnp.ones((1,), bool))
+        jax.block_until_ready(state)
+
+    def run(self, batches: list[np.ndarray], warmup: int, ev: Events) -> float:
+        """Wall seconds of the steps after `warmup` (which fill the pipeline)."""
+        jax, tr = self.jax, self.tr
+        self.precompile(batches[0])
+        state = tr.fresh_state()
+        sh = tr.batch_sharding
+        start, compute = None, []
+        for t, b in enumerate(batches, start=1):
+            if t == warmup + 1:
+                start = time.perf_counter()
+            t0 = ev.add("step_start", step=t)
+            state, ce_R, _ = self.inner(state, jax.device_put(b, sh))
+            np.asarray(ce_R)
+            t1 = ev.add("step_end", step=t)
+            if start is not None:
+                compute.append(t1 - t0)
+            for p in self.schedule.sends(t):
+                self.send(state, t, p, ev)
+            for p in self.schedule.outer_updates(t):
+                state = self.apply(state, t, p, ev)
+            for p, mask in self.schedule.merges(t):
+                state = tr._sync_fn("merge", p)(state, self.jnp.asarray(mask))
+        jax.block_until_ready(state)
+        return time.perf_counter() - start, compute
+
+    def payload_bytes(self) -> list[int]:
+        from diloco.outer.codecs import encoded_nbytes
+
+        return [encoded_nbytes(self.codec, n) for n in self.tr.sync.frags.sizes]
+
+
+class DPLoop:
+    """Data-parallel: every step's gradients (bf16) are averaged across the processes, blocking."""
+
+    def __init__(self, scale: str, batch: int, seq_len: int, steps: int, exchange: bool):
+        import jax
+        import optax
+        from jax.flatten_util import ravel_pytree
+
+        from diloco.outer.codecs import make_codec
+        from diloco.train import Trainer
+
+        self.cfg = _toy_cfg("dp", scale, 1, batch, seq_len, steps)
+        dev = (dist.compute_devices() or exchange_devices())[jax.process_index()]
+        self.tr = Trainer(self.cfg, "/tmp/unused", need_data=False, devices=[dev])
+        self.jax, self.dev, self.exchange = jax, dev, exchange
+        self.mesh = replica_mesh(exchange_devices())
+        tr = self.tr
+        shapes = jax.eval_shape(tr._init_params)
+        _, self.unravel = ravel_pytree(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), shapes))
+        self.n = tr.n_params
+        self.xfn = _exchange_fn(make_codec("bf16"), self.n, self.mesh)
+
+        def grad(params, tokens):
+            g = jax.grad(lambda p: tr._loss(p, tokens)[0])(params)
+            return ravel_pytree(g)[0][None]
+
+        def apply(params, opt, g_n):
+            upd, opt = tr.tx.update(self.unravel(g_n), opt, params)
+            return optax.apply_updates(params, upd), opt
+
+        self.grad, self.apply = jax.jit(grad), jax.jit(apply, donate_argnums=(0, 1))
+
+    def run(self, batches: list[np.ndarray], warmup: int, ev: Events) -> float:
+        jax, jnp = self.jax, self.jax.numpy
+        if self.exchange:  # compile and run the exchange once outside the timed window
+            z = jnp.zeros((1, self.n), jnp.float32)
+            k = jax.random.PRNGKey(0)[None]
+            self.xfn(stack_local(z, self.mesh), stack_local(k, self.mesh),
+                     stack_local(jnp.ones((1,), jnp.float32), self.mesh)).block_until_ready()
+        params = jax.device_put(self.tr._init_params(), self.dev)
+        opt = jax.jit(self.tr.tx.init)(params)
+        key = jax.random.PRNGKey(0)
+        start, compute = None, []
+        for t, b in enumerate(batches, start=1):
+            if t == warmup + 1:
+                start = time.perf_counter()
+            t0 = ev.add("step_start", step=t)
+            g = self.grad(params, jax.device_put(b[0], self.dev))
+            g.block_until_ready()
+            t1 = time.perf_counter()
+            if self.exchange:
+                ev.add("exchange_start", step=t, fragment=0)
+                out = self.xfn(stack_local(g, self.mesh), stack_local(key[None], self.mesh),
+                               stack_local(jnp.ones((1,), jnp.float32), self.mesh))
+                g_n = jax.device_put(local_value(out), self.dev)
+                g_n.block_until_ready()
+                ev.add("exchange_end", step=t, fragment=0)
+            else:
+                g_n = g[0]
+            t2 = time.perf_counter()
+            params, opt = self.apply(params, opt, g_n)
+            jax.block_until_ready(params)
+            t3 = ev.add("step_end", step=t)
+            if start is not None:
+                compute.append((t1 - t0) + (t3 - t2))
+        return time.perf_counter() - start, compute
+
+    def payload_bytes(self) -> list[int]:
+        return [2 * self.n]
+
+
+def make_loop(method: str, scale: str, H: int, batch: int, seq_len: int, steps: int, exchange: bool):
+    if method == "dp":
+        return DPLoop(scale, batch, seq_len, steps, exchange)
+    return FamilyLoop(method, scale, H, batch, seq_len, steps, exchange)
+
+
+def measure_cu(method: str, scale: str = "toy", H: int = 20, batch: int = 8, seq_len: int = 64,
+               rounds: int = 2, dp_steps: int = 12, seed: int = 0) -> dict:
+    """The same steps without, then with the exchange.
+
+    cu: time in compute (inner steps; DP: gradient + update) / wall time, within the exchange run,
+    so that load from other processes on the machine cancels out. cu_ratio: wall without / wall
+    with the exchange (sensitive to that load). step_time_s: median compute time of one step."""
+    steps = dp_steps if method == "dp" else (rounds + 1) * H
+    warmup = 2 if method == "dp" else H
+    batches = _batches(seq_len, batch, steps + warmup, seed)
+    out: dict[str, Any] = {"method": method, "scale": scale, "H": H, "measured_steps": steps}
+    walls, comp = {}, {}
+    loop = make_loop(method, scale, H, batch, seq_len, steps + warmup, True)
+    for exchange in (False, True):
+        loop.exchange = exchange
+        ev = Events()
+        walls[exchange], comp[exchange] = loop.run(batches, warmup, ev)
+        if exchange:
+            out["events"] = ev.rows
+    out.update(wall_no_exchange_s=walls[False], wall_s=walls[True], compute_s=sum(comp[True]),
+               cu=sum(comp[True]) / walls[True], cu_no_exchange=sum(comp[False]) / walls[False],
+               cu_ratio=walls[False] / walls[True], step_time_s=float(np.median(comp[True])),
+               step_time_no_exchange_s=float(np.median(comp[False])),
+               params=loop.tr.n_params, layers=loop.tr.mcfg.layers,
+               payload_bytes=loop.payload_bytes(),
+               fragments=1 if method == "dp" else loop.tr.sync.frags.P,
+               tau=0 if method == "dp" else loop.cfg.tau, codec="bf16" if method == "dp" else loop.cfg.codec)
+    return out
+
+
+# -- sweep over shaped links (root) ------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shape_links(m: int, rate: str) -> None:
+    subprocess.run([str(REPO / "scripts" / "netns.sh"), "up", str(m), rate], check=True, capture_output=True)
+
+
+def rate_mbit(rate: str) -> float:
+    units = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}
+    for u, f in units.items():
+        if rate.endswith(u):
+            return float(rate[: -len(u)]) * f
+    raise ValueError(f"rate {rate!r}: use tc units like 500kbit, 10mbit, 1gbit")
+
+
+def sweep(rates: list[str], methods: list[str], out: Path, repeats: int, extra: list[str]) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for rep in range(repeats):
+        for rate in rates:
+            shape_links(2, rate)
+            bench = out / "raw" / f"{rate}_r{rep}"
+            bench.mkdir(parents=True, exist_ok=True)
+            tp = _launch(["netbench", "throughput", "--mb", str(min(4.0, rate_mbit(rate) / 8)), "--out",
+                          str(bench / "throughput.json")], out)
+            _launch(["netbench", "cu", "--methods", ",".join(methods), "--out", str(bench), *extra], out)
+            for method in methods:
+                f = bench / f"{method}.json"
+                if f.exists():
+                    r = json.loads(f.read_text())
+                    r.pop("events", None)
+                    r.update(rate=rate, rate_mbit=rate_mbit(rate), repeat=rep)
+                    if tp == 0:
+                        r["netbench_mbit_per_s"] = json.loads((bench / "throughput.json").read_text())["mbit_per_s"]
+                    rows.append(r)
+                    print(json.dumps({k: r[k] for k in ("rate", "method", "cu", "step_time_s")}), flush=True)
+            (out / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def _launch(argv: list[str], out: Path) -> int:
+    cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "2", "--netns", "--comm_device",
+           "--logdir", str(out / "raw" / "logs"), "--", *argv]
+    return subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          timeout=1800).returncode
+
+
+# -- CLI -----------------------------------------------------------------------------------------------
+def _write(path: str | None, obj: dict) -> None:
+    if path and dist.is_primary():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=1) + "\n")
+    if dist.is_primary():
+        print(json.dumps({k: v for k, v in obj.items() if k != "events"}))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="diloco netbench", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("throughput", help="all-gather of --mb MB per process, under diloco launch")
+    a.add_argument("--mb", type=float, default=4.0)
+    a.add_argument("--repeats", type=int, default=5)
+    a.add_argument("--out", default=None)
+    c = sub.add_parser("cu", help="compute utilisation of one method, under diloco launch")
+    c.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
+    c.add_argument("--scale", default="toy")
+    c.add_argument("--H", type=int, default=20)
+    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--seq_len", type=int, default=64)
+    c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("--dp_steps", type=int, default=12)
+    c.add_argument("--out", default=None, help="a directory: one METHOD.json each")
+    s = sub.add_parser("sweep", help="root: shape the links (scripts/netns.sh) and run cu at each rate")
+    s.add_argument("--rates", default="1mbit,3mbit,10mbit,30mbit,100mbit,300mbit,1gbit")
+    s.add_argument("--methods", default=",".join(METHODS))
+    s.add_argument("--repeats", type=int, default=1)
+    s.add_argument("--out", default="results/overlap")
+    r = sub.add_parser("report", help="table + plot of a sweep beside the simulator's prediction")
+    r.add_argument("--out", default="results/overlap")
+    args, extra = ap.parse_known_args(argv)
+    if args.cmd == "report":
+        g, cross = report(Path(args.out))
+        print(g.to_string(index=False))
+        print(cross.to_string(index=False))
+        return 0
+    if args.cmd == "sweep":
+        sweep(args.rates.split(","), args.methods.split(","), Path(args.out), args.repeats, extra)
+        return 0
+    if dist.num_processes() < 2:
+        print("diloco netbench: run under `diloco launch --processes 2 [--netns] [--comm_device] -- netbench …`",
+              file=sys.stderr)
+        return 2
+    dist.initialize_from_env()
+    if args.cmd == "throughput":
+        _write(args.out, throughput(args.mb, args.repeats))
+    else:
+        for m in args.methods.split(","):
+            if m not in METHODS:
+                print(f"diloco netbench: unknown method {m!r}; valid: {', '.join(METHODS)}", file=sys.stderr)
+                return 2
+            r = measure_cu(m, args.scale, args.H, args.batch, args.seq_len, args.rounds, args.dp_steps)
+            _write(f"{args.out}/{m}.json" if args.out else None, r)
+    return 0
+
+
+# -- report: measured CU beside the simulator's prediction -------------------------------------------
+def simulated_cu(row: dict, gbit_per_s: float) -> float:
+    """The simulator for the same model (layers, params), measured step time, bytes and τ."""
+    from diloco.simulate import PHYSICAL, Model, compute_utilisation, make_method
+
+    model = Model("toy", layers=row["layers"], params=float(row["params"]), step_time_s=row["step_time_s"])
+    bits = 8.0 * sum(row["payload_bytes"]) / row["params"]
+    method = make_method(row["method"], row["layers"], h=row["H"] if row["method"] != "dp" else 1,
+                         fragments=row["fragments"], tau=row["tau"], bits=bits)
+    return compute_utilisation(model, method, gbit_per_s, PHYSICAL)
+
+
+def cross90(rates: list[float], cus: list[float], target: float = 0.9) -> float | None:
+    """Smallest rate where CU reaches `target`, interpolated in log(rate); None if never."""
+    pts = sorted(zip(rates, cus))
+    for (r0, c0), (r1, c1) in zip([(None, None)] + pts[:-1], pts):
+        if c1 >= target:
+            if r0 is None or c0 is None:
+                return r1
+            f = (target - c0) / (c1 - c0)
+            return float(np.exp(np.log(r0) + f * (np.log(r1) - np.log(r0))))
+    return None
+
+
+def report(out: Path) -> "Any":
+    import pandas as pd
+
+    rows = [json.loads(l) for l in (out / "raw.jsonl").read_text().splitlines() if l.strip()]
+    df = pd.DataFrame(rows)
+    g = df.groupby(["method", "rate", "rate_mbit"], as_index=False).agg(
+        cu=("cu", "median"), cu_ratio=("cu_ratio", "median"), cu_no_exchange=("cu_no_exchange", "median"),
+        step_time_s=("step_time_s", "median"), netbench_mbit_per_s=("netbench_mbit_per_s", "median"),
+        repeats=("cu", "size"))
+    first = {m: next(r for r in rows if r["method"] == m) for m in g["method"].unique()}
+    sim, sim_eff = [], []
+    for _, r in g.iterrows():
+        base = {**first[r["method"]], "step_time_s": r["step_time_s"]}
+        sim.append(simulated_cu(base, r["rate_mbit"] / 1e3))
+        eff = r["netbench_mbit_per_s"] if r["netbench_mbit_per_s"] == r["netbench_mbit_per_s"] else r["rate_mbit"]
+        sim_eff.append(simulated_cu(base, eff / 1e3))
+    g["sim_cu_at_rate"], g["sim_cu_at_measured_throughput"] = sim, sim_eff
+    order = {m: i for i, m in enumerate(METHODS)}
+    g = g.sort_values(["method", "rate_mbit"], key=lambda c: c.map(order) if c.name == "method" else c)
+    g.round(4).to_csv(out / "cu_vs_bandwidth.csv", index=False)
+    cross = []
+    for m, sub in g.groupby("method", sort=False):
+        cross.append({"method": m, "measured_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.cu)),
+                      "simulated_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.sim_cu_at_rate))})
+    pd.DataFrame(cross).to_csv(out / "bandwidth_for_90pct.csv", index=False)
+    _plot(g, out / "cu_vs_bandwidth.png")
+    return g, pd.DataFrame(cross)
+
+
+def _plot(g, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, (m, sub) in enumerate(g.groupby("method", sort=False)):
+        c = f"C{i}"
+        ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} (measured)")
+        ax.plot(sub.rate_mbit, sub.sim_cu_at_rate, "--", color=c, alpha=0.7, label=f"{m} (simulator)")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate per replica (tc tbf), Mbit/s")
+    ax.set_ylabel("compute utilisation")
+    ax.axhline(0.9, color="grey", lw=0.5)
+    ax.set_ylim(0, 1.02)
+    ax.set_title("toy model, 2 replica processes over throttled veth links (2 shared CPU cores)")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
