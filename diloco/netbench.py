@@ -433,7 +433,12 @@ def main(argv: list[str]) -> int:
     s.add_argument("--out", default="results/overlap")
     r = sub.add_parser("report", help="table + plot of a sweep beside the simulator's prediction")
     r.add_argument("--out", default="results/overlap")
+    h = sub.add_parser("hlo", help="collectives of a compiled send + inner step (XLA_FLAGS=…device_count=2)")
+    h.add_argument("--out", default=None)
     args, extra = ap.parse_known_args(argv)
+    if args.cmd == "hlo":
+        print(json.dumps(combined_step_collectives(Path(args.out) if args.out else None)))
+        return 0
     if args.cmd == "report":
         g, cross = report(Path(args.out))
         print(g.to_string(index=False))
@@ -533,3 +538,38 @@ def _plot(g, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- what XLA:CPU makes of a combined step (send + next inner step in one program) ----------------
+def combined_step_collectives(path: Path | None = None) -> dict:
+    """Compile fragment 0's send fused with the next inner step on a (replica=2) mesh; count the
+    collective ops of the compiled HLO (async ones appear as *-start / *-done pairs).
+    Needs two devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=2."""
+    import re
+    from collections import Counter
+
+    import jax
+    import jax.numpy as jnp
+
+    from diloco.config import load_config
+    from diloco.train import Trainer
+
+    flat = {"scale": "tiny", "seq_len": 32, "batch_size": 4, "H": 4, "layers_per_fragment": 1, "tau": 1}
+    cfg = load_config("experiments/toy.py:streaming", [f"--config.{k}={v}" for k, v in flat.items()])
+    tr = Trainer(cfg, "/tmp/unused", need_data=False, devices=jax.devices()[:2])
+    step = tr.inner_step_fn()._fun  # the Python step the trainer jits
+
+    def combined(state, toks, key):
+        outer = tr.sync.send(state["params"], state["outer"], 0, key, jnp.ones(2))
+        return step({**state, "outer": outer}, toks)
+
+    toks = jax.ShapeDtypeStruct((2, 2, 32), jnp.int32, sharding=tr.batch_sharding)
+    txt = jax.jit(combined).lower(tr.abstract_state(), toks, jax.random.PRNGKey(0)).compile().as_text()
+    pat = r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start|-done)?"
+    lines = [l.strip() for l in txt.splitlines() if re.search(r"= \S+ " + pat + r"\(", l)]
+    ops = Counter(re.search(r"= \S+ (" + pat + r")\(", l).group(1) for l in lines)
+    if path is not None:
+        path.write_text(f"# collectives in the compiled HLO of (send of fragment 0 + next inner step), "
+                        f"backend={jax.default_backend()}, jax {jax.__version__}\n"
+                        + "".join(l[:300] + "\n" for l in lines))
+    return {"backend": jax.default_backend(), "mesh": dict(tr.mesh.shape), "ops": dict(ops)}
