@@ -425,18 +425,23 @@ def test_sigkill_twice_after_checkpoints_then_resume_is_exact(tmp_path, method):
     """SIGKILL (no handler runs) a few steps after a checkpoint, twice in a row, then finish."""
     kw = dict(KILL_CASES[method], steps=60, checkpoint_every=10, eval_every=20, log_every=1, eval_batches=1)
     cmd = cli_train(tmp_path / "cut", method, **kw)
-    resumed_at = []
+    killed_at, newest_ckpt = [], []
     for kill_after in (13, 34):
         p = start(cmd, tmp_path / "cut.log")
         wait_for(lambda: last_logged_step(tmp_path / "cut") >= kill_after, p)
         p.kill()
         p.wait()
         assert not (tmp_path / "cut" / "summary.json").exists()
+        killed_at.append(last_logged_step(tmp_path / "cut"))
+        newest_ckpt.append(max(ckpt_steps(tmp_path / "cut")))
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (tmp_path / "cut.log").read_text() + r.stderr
     resumed_at = [int(x.split()[-1]) for x in log.splitlines() if x.startswith("resumed ")]
-    assert len(resumed_at) == 2 and resumed_at[0] >= 10 and resumed_at[1] >= 30, resumed_at
+    assert resumed_at == newest_ckpt and resumed_at[0] >= 10 and resumed_at[1] >= 30, (resumed_at, newest_ckpt)
+    assert all(0 <= k - c < 10 for k, c in zip(killed_at, resumed_at))  # lost: only steps since the checkpoint
+    print(f"{method}: killed at {killed_at}, resumed at {resumed_at}, steps recomputed "
+          f"{[k - c for k, c in zip(killed_at, resumed_at)]}")
     assert subprocess.run(cli_train(tmp_path / "whole", method, **kw), cwd=REPO, capture_output=True).returncode == 0
     cut, whole = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("cut", "whole"))
     assert cut["params_sha256"] == whole["params_sha256"]
