@@ -341,7 +341,7 @@ def measure_cu(method: str, scale: str = "toy", H: int = 20, batch: int = 8, seq
         ev = Events()
         walls[exchange], comp[exchange] = loop.run(batches, warmup, ev)
         if exchange:
-            out["events"] = ev.rows
+            out["events"], out["t0_monotonic"] = ev.rows, ev.t0  # perf_counter: one clock per machine
     out.update(wall_no_exchange_s=walls[False], wall_s=walls[True], compute_s=sum(comp[True]),
                cu=sum(comp[True]) / walls[True], cu_no_exchange=sum(comp[False]) / walls[False],
                cu_ratio=walls[False] / walls[True], step_time_s=float(np.median(comp[True])),
@@ -461,19 +461,48 @@ def main(argv: list[str]) -> int:
                 return 2
             r = measure_cu(m, args.scale, args.H, args.batch, args.seq_len, args.rounds, args.dp_steps)
             _write(f"{args.out}/{m}.json" if args.out else None, r)
+            if args.out and not dist.is_primary():  # every rank's timeline, for the replicas' skew
+                import jax
+
+                Path(f"{args.out}/{m}.rank{jax.process_index()}.json").write_text(json.dumps(r))
     return 0
 
 
 # -- report: measured CU beside the simulator's prediction -------------------------------------------
-def simulated_cu(row: dict, gbit_per_s: float) -> float:
-    """The simulator for the same model (layers, params), measured step time, bytes and τ."""
+def simulated_cu(row: dict, gbit_per_s: float, overhead_s: float = 0.0) -> float:
+    """The simulator for the same model (layers, params), measured step time, bytes and τ;
+    `overhead_s` per exchange is spread over its layers as the simulator's per-node latency."""
+    import dataclasses
+
     from diloco.simulate import PHYSICAL, Model, compute_utilisation, make_method
 
     model = Model("toy", layers=row["layers"], params=float(row["params"]), step_time_s=row["step_time_s"])
     bits = 8.0 * sum(row["payload_bytes"]) / row["params"]
     method = make_method(row["method"], row["layers"], h=row["H"] if row["method"] != "dp" else 1,
                          fragments=row["fragments"], tau=row["tau"], bits=bits)
-    return compute_utilisation(model, method, gbit_per_s, PHYSICAL)
+    layers_per_exchange = max(1, row["layers"] // max(1, row["fragments"]))
+    a = dataclasses.replace(PHYSICAL, latency_s=overhead_s / layers_per_exchange)
+    return compute_utilisation(model, method, gbit_per_s, a)
+
+
+def exchange_overhead_s(raw: Path, method: str) -> float | None:
+    """Median exchange duration minus its wire time at the fastest rate swept: the fixed cost of
+    one exchange here (encode/decode on a shared CPU, dispatch, gloo, the two processes' skew)."""
+    best = None
+    for d in raw.glob("*_r*"):
+        f, tp = d / f"{method}.json", d / "throughput.json"
+        if f.exists() and tp.exists():
+            mbit = json.loads(tp.read_text())["mbit_per_s"]
+            if best is None or mbit > best[0]:
+                best = (mbit, f)
+    if best is None:
+        return None
+    r = json.loads(best[1].read_text())
+    starts = {(e["step"], e["fragment"]): e["t"] for e in r["events"] if e["kind"] == "exchange_start"}
+    durs = [e["t"] - starts[(e["step"], e["fragment"])] for e in r["events"]
+            if e["kind"] == "exchange_end" and (e["step"], e["fragment"]) in starts and e["step"] > 0]
+    wire = 8 * float(np.mean(r["payload_bytes"])) / (best[0] * 1e6)
+    return max(0.0, float(np.median(durs)) - wire) if durs else None
 
 
 def cross90(rates: list[float], cus: list[float], target: float = 0.9) -> float | None:
@@ -498,20 +527,26 @@ def report(out: Path) -> "Any":
         step_time_s=("step_time_s", "median"), netbench_mbit_per_s=("netbench_mbit_per_s", "median"),
         repeats=("cu", "size"))
     first = {m: next(r for r in rows if r["method"] == m) for m in g["method"].unique()}
-    sim, sim_eff = [], []
+    over = {m: exchange_overhead_s(out / "raw", m) or 0.0 for m in first}
+    sim, sim_eff, sim_over = [], [], []
     for _, r in g.iterrows():
         base = {**first[r["method"]], "step_time_s": r["step_time_s"]}
         sim.append(simulated_cu(base, r["rate_mbit"] / 1e3))
         eff = r["netbench_mbit_per_s"] if r["netbench_mbit_per_s"] == r["netbench_mbit_per_s"] else r["rate_mbit"]
         sim_eff.append(simulated_cu(base, eff / 1e3))
+        sim_over.append(simulated_cu(base, eff / 1e3, over[r["method"]]))
     g["sim_cu_at_rate"], g["sim_cu_at_measured_throughput"] = sim, sim_eff
+    g["exchange_overhead_s"] = [over[m] for m in g["method"]]
+    g["sim_cu_throughput_and_overhead"] = sim_over
     order = {m: i for i, m in enumerate(METHODS)}
     g = g.sort_values(["method", "rate_mbit"], key=lambda c: c.map(order) if c.name == "method" else c)
     g.round(4).to_csv(out / "cu_vs_bandwidth.csv", index=False)
     cross = []
     for m, sub in g.groupby("method", sort=False):
         cross.append({"method": m, "measured_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.cu)),
-                      "simulated_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.sim_cu_at_rate))})
+                      "simulated_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.sim_cu_at_rate)),
+                      "simulated_with_overhead_mbit_for_90pct":
+                          cross90(list(sub.rate_mbit), list(sub.sim_cu_throughput_and_overhead))})
     pd.DataFrame(cross).to_csv(out / "bandwidth_for_90pct.csv", index=False)
     _plot(g, out / "cu_vs_bandwidth.png")
     return g, pd.DataFrame(cross)
@@ -528,6 +563,8 @@ def _plot(g, path: Path) -> None:
         c = f"C{i}"
         ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} (measured)")
         ax.plot(sub.rate_mbit, sub.sim_cu_at_rate, "--", color=c, alpha=0.7, label=f"{m} (simulator)")
+        ax.plot(sub.rate_mbit, sub.sim_cu_throughput_and_overhead, ":", color=c, alpha=0.7,
+                label=f"{m} (sim., achieved rate + overhead)")
     ax.set_xscale("log")
     ax.set_xlabel("link rate per replica (tc tbf), Mbit/s")
     ax.set_ylabel("compute utilisation")
@@ -573,3 +610,40 @@ def combined_step_collectives(path: Path | None = None) -> dict:
                         f"backend={jax.default_backend()}, jax {jax.__version__}\n"
                         + "".join(l[:300] + "\n" for l in lines))
     return {"backend": jax.default_backend(), "mesh": dict(tr.mesh.shape), "ops": dict(ops)}
+
+
+def timeline_plot(run_json: Path, path: Path, window: tuple[int, int] | None = None) -> None:
+    """Gantt of one `netbench cu` run: inner steps (compute device) vs exchanges (comm device)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = json.loads(Path(run_json).read_text())
+    ev = r["events"]
+    st: dict[int, dict] = {}
+    for e in ev:
+        if e["kind"] in ("step_start", "step_end"):
+            st.setdefault(e["step"], {})[e["kind"]] = e["t"]
+    starts = {(e["step"], e["fragment"]): e["t"] for e in ev if e["kind"] == "exchange_start"}
+    ends = {(e["step"], e["fragment"]): e["t"] for e in ev if e["kind"] == "exchange_end"}
+    sends = sorted(k for k in starts if k in ends and k[0] > r["H"])
+    lo, hi = window or (sends[0][0] - 2, sends[min(2, len(sends) - 1)][0] + 3)
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    for s, v in st.items():
+        if lo <= s <= hi and len(v) == 2:
+            ax.barh(1, v["step_end"] - v["step_start"], left=v["step_start"], color="C0", edgecolor="white")
+            ax.text((v["step_start"] + v["step_end"]) / 2, 1, str(s), ha="center", va="center", fontsize=6, color="w")
+    for k in sends:
+        if lo <= k[0] <= hi:
+            ax.barh(0, ends[k] - starts[k], left=starts[k], color=f"C{1 + k[1]}", edgecolor="black")
+            ax.text(starts[k], -0.45, f"send p{k[1]} @t={k[0]}", fontsize=6)
+    for e in ev:
+        if e["kind"] == "apply_wait" and lo <= e["step"] <= hi:
+            ax.axvline(e["t"], color="red", lw=0.8)
+    ax.set_yticks([0, 1], ["exchange\n(comm device)", "inner steps\n(compute device)"])
+    ax.set_xlabel("seconds (process 0); red: apply of a fragment (waits only if its exchange has not ended)")
+    ax.set_title(f"{r['method']}: exchanges overlap the next inner steps", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -20,7 +20,11 @@ cmd=${1:?usage: $0 up|shape|down|status M [RATE] [DELAY]}
 M=${2:?number of replicas M}
 RATE=${3:-1gbit}
 DELAY=${4:-0ms}
-BR=dlbr0
+# Names can be changed (tests use their own, so they never touch a running measurement):
+PFX=${DILOCO_NETNS_PREFIX:-dlrep}
+BR=${DILOCO_NETNS_BRIDGE:-dlbr0}
+NET=${DILOCO_NETNS_SUBNET:-10.77.0}
+V=${PFX/#dlrep/dl}  # veth names: dlv$i (root side), dlp$i (moved into the namespace as eth0)
 
 need_root() { [ "$(id -u)" = 0 ] || { echo "netns.sh: needs root (ip netns, tc)" >&2; exit 1; }; }
 
@@ -38,43 +42,43 @@ up() {
   need_root
   ip link show "$BR" >/dev/null 2>&1 || { ip link add "$BR" type bridge; ip link set "$BR" up; }
   for ((i = 0; i < M; i++)); do
-    local ns=dlrep$i
+    local ns=$PFX$i
     ip netns list | grep -qw "$ns" || ip netns add "$ns"
-    if ! ip link show "dlv$i" >/dev/null 2>&1; then
-      ip link add "dlv$i" type veth peer name "dlp$i"
-      ip link set "dlp$i" netns "$ns"
-      ip netns exec "$ns" ip link set "dlp$i" name eth0
-      ip link set "dlv$i" master "$BR"
-      ip link set "dlv$i" up
-      ip netns exec "$ns" ip addr add "10.77.0.$((i + 1))/24" dev eth0
+    if ! ip link show "${V}v$i" >/dev/null 2>&1; then
+      ip link add "${V}v$i" type veth peer name "${V}p$i"
+      ip link set "${V}p$i" netns "$ns"
+      ip netns exec "$ns" ip link set "${V}p$i" name eth0
+      ip link set "${V}v$i" master "$BR"
+      ip link set "${V}v$i" up
+      ip netns exec "$ns" ip addr add "$NET.$((i + 1))/24" dev eth0
       ip netns exec "$ns" ip link set eth0 up
       ip netns exec "$ns" ip link set lo up
     fi
     shape "$ns" "$RATE" "$DELAY"
   done
-  echo "netns.sh: $M replicas dlrep0..dlrep$((M - 1)) on 10.77.0.1..$M, egress $RATE, delay $DELAY"
+  echo "netns.sh: $M replicas ${PFX}0..$PFX$((M - 1)) on $NET.1..$M, egress $RATE, delay $DELAY"
 }
 
 down() {
   need_root
   for ((i = 0; i < M; i++)); do
-    ip link del "dlv$i" 2>/dev/null || true
-    ip netns del "dlrep$i" 2>/dev/null || true
+    ip link del "${V}v$i" 2>/dev/null || true
+    ip netns del "$PFX$i" 2>/dev/null || true
   done
   ip link del "$BR" 2>/dev/null || true
 }
 
 status() {
   for ((i = 0; i < M; i++)); do
-    echo "== dlrep$i"
-    ip netns exec "dlrep$i" ip -brief addr show eth0 || true
-    ip netns exec "dlrep$i" tc qdisc show dev eth0 || true
+    echo "== $PFX$i"
+    ip netns exec "$PFX$i" ip -brief addr show eth0 || true
+    ip netns exec "$PFX$i" tc qdisc show dev eth0 || true
   done
 }
 
 case $cmd in
   up) up ;;
-  shape) need_root; for ((i = 0; i < M; i++)); do shape "dlrep$i" "$RATE" "$DELAY"; done ;;
+  shape) need_root; for ((i = 0; i < M; i++)); do shape "$PFX$i" "$RATE" "$DELAY"; done ;;
   down) down ;;
   status) status ;;
   *) echo "netns.sh: unknown command $cmd (up|shape|down|status)" >&2; exit 2 ;;

@@ -93,13 +93,18 @@ def test_netns_script_shapes_links():
     if why:
         pytest.skip(why)
     script = str(REPO / "scripts" / "netns.sh")
-    try:
-        r = subprocess.run([script, "up", "2", "50mbit"], capture_output=True, text=True)
+    env = dict(os.environ, DILOCO_NETNS_PREFIX="dltest", DILOCO_NETNS_BRIDGE="dltbr0", DILOCO_NETNS_SUBNET="10.78.0")
+    try:  # own names and subnet: never touches the dlrep* namespaces of a running measurement
+        r = subprocess.run([script, "up", "2", "50mbit"], capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr
-        st = subprocess.run([script, "status", "2"], capture_output=True, text=True).stdout
-        assert "10.77.0.1/24" in st and "10.77.0.2/24" in st and "rate 50Mbit" in st
+        st = subprocess.run([script, "status", "2"], capture_output=True, text=True, env=env).stdout
+        assert "10.78.0.1/24" in st and "10.78.0.2/24" in st and "rate 50Mbit" in st
+        ping = subprocess.run(["ip", "netns", "exec", "dltest0", sys.executable, "-c",
+                               "import socket; s = socket.create_connection(('10.78.0.2', 9), 2)"],
+                              capture_output=True, text=True, env=env)
+        assert "refused" in ping.stderr.lower(), ping.stderr  # reachable: the peer answers with RST
     finally:
-        subprocess.run([script, "down", "2"], capture_output=True)
+        subprocess.run([script, "down", "2"], capture_output=True, env=env)
 
 
 def test_cross90_interpolates_in_log_rate():
