@@ -136,7 +136,6 @@ def test_a_locked_point_is_not_run(tmp_path):
     assert not (wd / "config.json").exists()
 
 
-@pytest.mark.slow
 def test_in_process_pool_records_a_failure_once(tmp_path):
     f = _write_sweep(tmp_path, '[{"arg": "tiny,diloco_h30", "tau": 3}, {"arg": "tiny,dp"}]')
     s = sw.load_sweep(str(f))
