@@ -322,7 +322,8 @@ def table3(df: pd.DataFrame) -> pd.DataFrame:
         except Exception as e:  # a run without a readable checkpoint still gets a row
             print(f"diloco tables: which_params: {r.workdir}: {e}", file=sys.stderr)
             continue
-        for k, v in res.items():
+        for k in ("first_replica", "replica_average", "outer_params"):
+            v = res[k]
             out.append({"scale": r.scale, "params_evaluated": k, "eval_loss": v,
                         "vs_outer_pct": _pct(v, res["outer_params"]), "paper_eval_loss": p.eval_loss[k],
                         "paper_vs_outer_pct": _pct(p.eval_loss[k], p.eval_loss["outer_params"]),
