@@ -63,6 +63,10 @@ def simulator(out: Path) -> list[Path]:
     return [sim / f"paper_table.{e}" for e in ("md", "csv", "json")]
 
 
+def _ratio(a, b) -> float | None:
+    return float(a) / float(b) if b and a == a and b == b else None  # None for 0 or NaN (a run without syncs)
+
+
 def headline(root: Path) -> dict:
     """The acceptance numbers: Streaming's gap to DP, bytes ratio, peak ratio; τ/α trends."""
     from diloco.report import load_runs
@@ -81,8 +85,8 @@ def headline(root: Path) -> dict:
                 "scale": scale, "method": lab, "H": r.H, "eval_loss": r.final_eval_loss, "dp_eval_loss": dp.final_eval_loss,
                 "diloco_eval_loss": dil.final_eval_loss if dil else None,
                 "gap_to_dp_pct": 100 * (r.final_eval_loss / dp.final_eval_loss - 1),
-                "bytes_ratio_to_dp": r.bytes_exchanged_total / dp.bytes_exchanged_total,
-                "peak_ratio_to_diloco": r.bytes_peak_per_sync / dil.bytes_peak_per_sync if dil else None})
+                "bytes_ratio_to_dp": _ratio(r.bytes_exchanged_total, dp.bytes_exchanged_total),
+                "peak_ratio_to_diloco": _ratio(r.bytes_peak_per_sync, dil.bytes_peak_per_sync) if dil else None})
     ta = df[df.sweep.str.startswith("tau_alpha")]
     for r in ta.itertuples():
         out["tau_alpha"].setdefault(f"alpha={float(r.alpha):g}", {})[int(r.tau)] = r.final_eval_loss
@@ -94,7 +98,7 @@ def headline_text(h: dict) -> str:
     for s in h["scaling"]:
         peak = f"×{s['peak_ratio_to_diloco']:.3f} (1/{1 / s['peak_ratio_to_diloco']:.1f})" \
             if s["peak_ratio_to_diloco"] else "n/a (no sync)"
-        b = s["bytes_ratio_to_dp"]
+        b = s["bytes_ratio_to_dp"] or 0.0
         lines.append(f"  {s['scale']:>5} {s['method']:<24} eval {s['eval_loss']:.4f} (DP {s['dp_eval_loss']:.4f}): "
                      f"gap to DP {s['gap_to_dp_pct']:+.2f}%, total bytes vs DP "
                      f"{f'×{b:.4f} (1/{1 / b:.0f})' if b else '0 (no sync)'}, peak vs DiLoCo {peak}")
