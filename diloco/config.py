@@ -31,7 +31,7 @@ def resolve_spec_path(spec: str) -> str:
     return f"{p}:{arg}" if arg else str(p)
 
 
-def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+def load_config(spec: str, overrides: list[str] = (), check_data: bool = True) -> ml_collections.ConfigDict:
     """Same semantics as ml_collections.config_flags: `path:arg`, then `--config.a.b=value`."""
     from absl import flags
     from ml_collections import config_flags
@@ -54,7 +54,7 @@ def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
             msg = f"unknown config key {field!r}"
         raise ConfigError(field, f"{msg.splitlines()[0]} (see experiments/base.py for every key)") from None
     cfg = fv.config
-    validate(cfg)
+    validate(cfg, check_data=check_data)
     return cfg
 
 
