@@ -66,6 +66,17 @@ def stack_local(x_local, mesh):
     return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("replica")), [x])
 
 
+def barrier(mesh) -> None:
+    """Every process reaches this point before any goes on (a tiny blocking all-gather)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    f = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "replica", tiled=True), mesh=mesh,
+                              in_specs=P("replica"), out_specs=P(), check_vma=False))
+    f(stack_local(jnp.zeros((1,), jnp.int32), mesh)).block_until_ready()
+
+
 def local_value(x_global):
     return x_global.addressable_shards[0].data
 
@@ -223,7 +234,8 @@ class FamilyLoop:
         sh = tr.batch_sharding
         start, compute = None, []
         for t, b in enumerate(batches, start=1):
-            if t == warmup + 1:
+            if t == warmup + 1:  # the replicas start the timed window together
+                barrier(self.mesh)
                 start = time.perf_counter()
             t0 = ev.add("step_start", step=t)
             state, ce_R, _ = self.inner(state, jax.device_put(b, sh))
@@ -291,6 +303,7 @@ class DPLoop:
         start, compute = None, []
         for t, b in enumerate(batches, start=1):
             if t == warmup + 1:
+                barrier(self.mesh)
                 start = time.perf_counter()
             t0 = ev.add("step_start", step=t)
             g = self.grad(params, jax.device_put(b[0], self.dev))
@@ -324,19 +337,19 @@ def make_loop(method: str, scale: str, H: int, batch: int, seq_len: int, steps: 
 
 
 def measure_cu(method: str, scale: str = "toy", H: int = 20, batch: int = 8, seq_len: int = 64,
-               rounds: int = 2, dp_steps: int = 12, seed: int = 0) -> dict:
+               rounds: int = 2, dp_steps: int = 12, seed: int = 0, reference: bool = False) -> dict:
     """The same steps without, then with the exchange.
 
     cu: time in compute (inner steps; DP: gradient + update) / wall time, within the exchange run,
     so that load from other processes on the machine cancels out. cu_ratio: wall without / wall
     with the exchange (sensitive to that load). step_time_s: median compute time of one step."""
-    steps = dp_steps if method == "dp" else (rounds + 1) * H
-    warmup = 2 if method == "dp" else H
+    steps = dp_steps if method == "dp" else rounds * H
+    warmup = 2 if method == "dp" else H - 1  # timing starts (after a barrier) at the step of the first send
     batches = _batches(seq_len, batch, steps + warmup, seed)
     out: dict[str, Any] = {"method": method, "scale": scale, "H": H, "measured_steps": steps}
-    walls, comp = {}, {}
+    walls, comp = {False: float("nan")}, {False: [float("nan")]}
     loop = make_loop(method, scale, H, batch, seq_len, steps + warmup, True)
-    for exchange in (False, True):
+    for exchange in (False, True) if reference else (True,):
         loop.exchange = exchange
         ev = Events()
         walls[exchange], comp[exchange] = loop.run(batches, warmup, ev)
@@ -426,6 +439,7 @@ def main(argv: list[str]) -> int:
     c.add_argument("--rounds", type=int, default=2)
     c.add_argument("--dp_steps", type=int, default=12)
     c.add_argument("--out", default=None, help="a directory: one METHOD.json each")
+    c.add_argument("--reference", action="store_true", help="also time the same steps without exchange")
     s = sub.add_parser("sweep", help="root: shape the links (scripts/netns.sh) and run cu at each rate")
     s.add_argument("--rates", default="1mbit,3mbit,10mbit,30mbit,100mbit,300mbit,1gbit")
     s.add_argument("--methods", default=",".join(METHODS))
@@ -459,7 +473,8 @@ def main(argv: list[str]) -> int:
             if m not in METHODS:
                 print(f"diloco netbench: unknown method {m!r}; valid: {', '.join(METHODS)}", file=sys.stderr)
                 return 2
-            r = measure_cu(m, args.scale, args.H, args.batch, args.seq_len, args.rounds, args.dp_steps)
+            r = measure_cu(m, args.scale, args.H, args.batch, args.seq_len, args.rounds, args.dp_steps,
+                           reference=args.reference)
             _write(f"{args.out}/{m}.json" if args.out else None, r)
             if args.out and not dist.is_primary():  # every rank's timeline, for the replicas' skew
                 import jax
