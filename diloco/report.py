@@ -167,8 +167,21 @@ def markdown(df: pd.DataFrame) -> str:
 
 
 def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str = "") -> None:
-    df.to_csv(out / f"{name}.csv", index=False)
-    (out / f"{name}.md").write_text(f"# {title}\n\n{notes.strip()}\n\n{markdown(df)}")
+    from diloco.checkpoint import atomic_write_text
+
+    atomic_write_text(out / f"{name}.csv", df.to_csv(index=False))
+    atomic_write_text(out / f"{name}.md", f"# {title}\n\n{notes.strip()}\n\n{markdown(df)}")
+
+
+def save_figure(fig, path: Path) -> None:
+    """savefig to a temp file beside `path`, then os.replace: readers never see half a PNG."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
 
 
 def _pct(a, b):
@@ -408,7 +421,7 @@ def plot_loss_curves(df: pd.DataFrame, sweep: str, path: Path) -> None:
         ax.legend(fontsize=7)
         ax.set_ylim(top=min(ax.get_ylim()[1], 4.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -444,7 +457,7 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
         ax.set_ylim(lo - 0.2 * (hi - lo + 1e-3), hi + 0.2 * (hi - lo + 1e-3))
     ax.set(ylabel="final eval loss", title=f"{sweep}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -462,7 +475,9 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
         raise ConfigError("--root", f"no run records (config.json) under {root}")
     out.mkdir(parents=True, exist_ok=True)
     ours = df.drop(columns=[c for c in ("command",) if c in df])
-    ours.to_csv(out / "runs.csv", index=False)
+    from diloco.checkpoint import atomic_write_text
+
+    atomic_write_text(out / "runs.csv", ours.to_csv(index=False))
     tables = [("table5_c4_scaling", "[SD] Table 5 — C4 scaling: ours beside the paper", table5,
                "Eval loss and gap to Data-Parallel (DP) at the same scale. Toy scales are compared with the paper's "
                "smallest scale (35M) and the range of its gaps over 35M…4B; absolute losses are comparable only at "
