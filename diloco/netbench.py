@@ -382,10 +382,13 @@ def rate_mbit(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use tc units like 500kbit, 10mbit, 1gbit")
 
 
-def sweep(rates: list[str], methods: list[str], out: Path, repeats: int, extra: list[str]) -> list[dict]:
+def sweep(rates: list[str], methods: list[str], out: Path, repeats: int, extra: list[str],
+          first_repeat: int = 0) -> list[dict]:
+    """Appends to OUT/raw.jsonl; repeat r of a rate writes OUT/raw/RATE_rR/."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for rep in range(repeats):
+    old = out / "raw.jsonl"
+    rows = [json.loads(l) for l in old.read_text().splitlines() if l.strip()] if old.exists() else []
+    for rep in range(first_repeat, first_repeat + repeats):
         for rate in rates:
             shape_links(2, rate)
             bench = out / "raw" / f"{rate}_r{rep}"
@@ -444,6 +447,7 @@ def main(argv: list[str]) -> int:
     s.add_argument("--rates", default="1mbit,3mbit,10mbit,30mbit,100mbit,300mbit,1gbit")
     s.add_argument("--methods", default=",".join(METHODS))
     s.add_argument("--repeats", type=int, default=1)
+    s.add_argument("--first_repeat", type=int, default=0, help="index of the first repeat (to add repeats later)")
     s.add_argument("--out", default="results/overlap")
     r = sub.add_parser("report", help="table + plot of a sweep beside the simulator's prediction")
     r.add_argument("--out", default="results/overlap")
@@ -459,7 +463,7 @@ def main(argv: list[str]) -> int:
         print(cross.to_string(index=False))
         return 0
     if args.cmd == "sweep":
-        sweep(args.rates.split(","), args.methods.split(","), Path(args.out), args.repeats, extra)
+        sweep(args.rates.split(","), args.methods.split(","), Path(args.out), args.repeats, extra, args.first_repeat)
         return 0
     if dist.num_processes() < 2:
         print("diloco netbench: run under `diloco launch --processes 2 [--netns] [--comm_device] -- netbench …`",
@@ -658,7 +662,8 @@ def timeline_plot(run_json: Path, path: Path, window: tuple[int, int] | None = N
             ax.axvline(e["t"], color="red", lw=0.8)
     ax.set_yticks([0, 1], ["exchange\n(comm device)", "inner steps\n(compute device)"])
     ax.set_xlabel("seconds (process 0); red: apply of a fragment (waits only if its exchange has not ended)")
-    ax.set_title(f"{r['method']}: exchanges overlap the next inner steps", fontsize=9)
+    what = "the exchange runs during the next inner step" if r["tau"] else "the apply waits for the exchange"
+    ax.set_title(f"{r['method']} (tau={r['tau']}, codec {r['codec']}): {what}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
