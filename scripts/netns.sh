@@ -9,7 +9,8 @@
 # Topology: replica i (0-based) lives in network namespace `dlrep$i` with one interface
 # `eth0` = 10.77.0.$((i+1))/24, a veth pair whose other end `dlv$i` sits on bridge `dlbr0` in the
 # root namespace. Every replica's egress (eth0 inside its namespace) is shaped by a token
-# bucket (tbf) at RATE (tc units: 100mbit, 1gbit, …), with a netem child adding a one-way DELAY
+# bucket (tbf) at RATE (integer with kbit|mbit|gbit) whose burst is 5 ms of RATE (at least 4 KiB,
+# so that a payload cannot pass at line rate on saved-up tokens), with a netem child adding a one-way DELAY
 # when DELAY is not 0ms (needs the sch_netem kernel module; the script says so if it is missing). A transfer between two
 # replicas therefore crosses exactly one shaped hop per direction, like one datacenter uplink.
 # Run a command in replica i's namespace with `ip netns exec dlrep$i CMD`; `diloco launch
@@ -28,10 +29,21 @@ V=${PFX/#dlrep/dl}  # veth names: dlv$i (root side), dlp$i (moved into the names
 
 need_root() { [ "$(id -u)" = 0 ] || { echo "netns.sh: needs root (ip netns, tc)" >&2; exit 1; }; }
 
+burst_bytes() {  # 5 ms at RATE (integer kbit|mbit|gbit), at least 4 KiB: a transfer cannot ride the bucket
+  local n=${1%%[a-z]*} u=${1##*[0-9]} bps b
+  case $u in
+    kbit) bps=$((n * 1000)) ;; mbit) bps=$((n * 1000000)) ;; gbit) bps=$((n * 1000000000)) ;;
+    *) echo "netns.sh: rate $1: use an integer with kbit, mbit or gbit" >&2; exit 2 ;;
+  esac
+  b=$((bps / 8 / 200))
+  echo $((b < 4096 ? 4096 : b))
+}
+
 shape() {  # shape NS RATE DELAY
-  local ns=$1
+  local ns=$1 burst
+  burst=$(burst_bytes "$2")
   ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
-  ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: tbf rate "$2" burst 256kb latency 1s
+  ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: tbf rate "$2" burst "$burst" latency 1s
   if [ "$3" != 0ms ] && [ "$3" != 0 ]; then
     ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: netem delay "$3" limit 100000 || {
       echo "netns.sh: netem (sch_netem) unavailable in this kernel: $ns has rate $2 but no added delay" >&2; }
