@@ -6,6 +6,8 @@ Each method runs in its own subprocess (clean peak-RSS), at equal global batch, 
 tokens (the data pipeline is benchmarked separately), after a warm-up that triggers every
 compilation (inner step and every fragment's send/update/merge). MFU is model FLOPs/s over the
 matmul peak measured on this machine in the same run (float32 GEMM, best of several sizes).
+"outer cost" is the time spent in the schedule's syncs (send, outer update, merge; blocked on)
+over the time of the inner steps: what the DiLoCo machinery adds to each step.
 """
 from __future__ import annotations
 
@@ -60,25 +62,30 @@ def run_one(method: str, scale: str, steps: int, H: int, seq_len: int, batch: in
     toks = [jax.device_put(rng.integers(2, 250, size=(tr.R, batch // tr.R, seq_len), dtype=np.int32),
                            tr.batch_sharding) for _ in range(8)]
     t = 0
-    for _ in range(H + 2):  # warm-up: one full round compiles every send/update/merge
+    for _ in range(2 * H + 2):  # warm-up: every fragment sends and applies once (compiles them all)
         t += 1
         state, ce, _ = inner(state, toks[t % 8])
         state, _ = tr.run_syncs(state, t)
     jax.block_until_ready(state)
-    syncs = 0
+    syncs, t_sync = 0, 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
         t += 1
         state, ce, _ = inner(state, toks[t % 8])
+        float(ce[0])  # the loop reads the loss every step, as train() does (this also ends the step)
+        ts = time.perf_counter()
         state, sent = tr.run_syncs(state, t)
+        if sent or (tr.schedule and tr.schedule.applies(t)):
+            jax.block_until_ready(state)
+        t_sync += time.perf_counter() - ts
         syncs += len(sent)
-        float(ce[0])  # the loop reads the loss every step, as train() does
     jax.block_until_ready(state)
     dt = time.perf_counter() - t0
     m = tr.mcfg
     flops_per_token = 6 * tr.n_params + 12 * m.layers * m.d_model * seq_len
     return {"method": method, "scale": scale, "params": tr.n_params, "steps": steps, "syncs": syncs,
-            "ms_per_step": 1e3 * dt / steps, "tokens_per_s": steps * batch * seq_len / dt,
+            "ms_per_step": 1e3 * dt / steps, "sync_ms_per_step": 1e3 * t_sync / steps,
+            "outer_overhead": t_sync / max(dt - t_sync, 1e-9), "tokens_per_s": steps * batch * seq_len / dt,
             "model_flops_per_s": flops_per_token * steps * batch * seq_len / dt,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -112,12 +119,14 @@ def main() -> int:
     base = next((r for r in rows if r["method"] == "dp"), rows[0])
     print(f"scale={a.scale} params={base['params']:,} global batch={a.batch}x{a.seq_len} H={a.H} "
           f"matmul peak={peak / 1e9:.1f} GFLOP/s (measured)")
-    print(f"{'method':<10} {'ms/step':>8} {'vs dp':>7} {'tokens/s':>9} {'MFU':>6} {'peak RSS MB':>11} {'syncs':>5}")
+    print(f"{'method':<10} {'ms/step':>8} {'vs dp':>7} {'sync ms/step':>12} {'outer cost':>10} {'tokens/s':>9} "
+          f"{'MFU':>6} {'peak RSS MB':>11} {'syncs':>5}")
     for r in rows:
         r["mfu"] = r["model_flops_per_s"] / peak
         r["ms_vs_dp"] = r["ms_per_step"] / base["ms_per_step"]
         r["rss_vs_dp"] = r["peak_rss_mb"] / base["peak_rss_mb"]
-        print(f"{r['method']:<10} {r['ms_per_step']:>8.1f} {r['ms_vs_dp']:>6.2f}x {r['tokens_per_s']:>9,.0f} "
+        print(f"{r['method']:<10} {r['ms_per_step']:>8.1f} {r['ms_vs_dp']:>6.2f}x {r['sync_ms_per_step']:>12.2f} "
+              f"{100 * r['outer_overhead']:>9.2f}% {r['tokens_per_s']:>9,.0f} "
               f"{100 * r['mfu']:>5.1f}% {r['peak_rss_mb']:>11.0f} {r['syncs']:>5}")
     if a.json:
         with open(a.json, "w") as f:
