@@ -567,6 +567,12 @@ def report(out: Path) -> "Any":
                       "simulated_with_overhead_mbit_for_90pct":
                           cross90(list(sub.rate_mbit), list(sub.sim_cu_throughput_and_overhead))})
     pd.DataFrame(cross).to_csv(out / "bandwidth_for_90pct.csv", index=False)
+    cols = ["method", "rate", "netbench_mbit_per_s", "step_time_s", "cu", "sim_cu_at_rate",
+            "sim_cu_at_measured_throughput", "sim_cu_throughput_and_overhead", "repeats"]
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in g.iterrows():
+        md.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    (out / "cu_vs_bandwidth.md").write_text("\n".join(md) + "\n")
     _plot(g, out / "cu_vs_bandwidth.png")
     return g, pd.DataFrame(cross)
 
@@ -577,7 +583,7 @@ def _plot(g, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     for i, (m, sub) in enumerate(g.groupby("method", sort=False)):
         c = f"C{i}"
         ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} (measured)")
@@ -590,7 +596,7 @@ def _plot(g, path: Path) -> None:
     ax.axhline(0.9, color="grey", lw=0.5)
     ax.set_ylim(0, 1.02)
     ax.set_title("toy model, 2 replica processes over throttled veth links (2 shared CPU cores)")
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
