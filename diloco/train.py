@@ -196,8 +196,14 @@ class Trainer:
 
         def step(state, tokens_RxBxL, *poison_R):
             p, o, ce_R, fin_R = jax.vmap(one)(state["params"], state["opt"], tokens_RxBxL, *poison_R)
-            ok = jnp.all(fin_R)
-            keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+            # Each replica keeps its own update only if its own step was finite: a local decision,
+            # so no cross-replica collective sits in the inner step (replicas are independent
+            # between syncs; the loop stops or logs the skip from fin_R).
+            def keep(new, old):
+                def pick(a, b):
+                    ok = fin_R.reshape((-1,) + (1,) * (a.ndim - 1))
+                    return jnp.where(ok, a, b)
+                return jax.tree_util.tree_map(pick, new, old)
             new = {**state, "params": keep(p, state["params"]), "opt": keep(o, state["opt"]),
                    "step": state["step"] + 1}
             return new, ce_R, fin_R
