@@ -331,7 +331,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     contrib = _fault_contrib(cfg) if tr.sync is not None else None
     try:
         for t in range(start + 1, cfg.steps + 1):
-            tokens = data.next_batch() if hasattr(data, "next_batch") else next(data)
+            tokens = next(data)
             tokens_RxBxL = dist.global_array(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
             if cfg.freeze_non_syncing and tr.schedule is not None:
                 inner = tr.inner_step_fn(active=tr.schedule.next_sender(t))
