@@ -16,18 +16,26 @@ METHODS = ("dp", "diloco", "streaming")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def repo_path(path: str) -> Path:
+    """`path` relative to the cwd, else to the repo root (editable installs); it may not exist."""
+    p = Path(path)
+    return REPO_ROOT / path if not p.exists() and (REPO_ROOT / path).exists() else p
+
+
+def make_importable(root: str | Path) -> None:
+    """Put `root` on sys.path (once), so spec files can `from experiments import base`."""
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
 def resolve_spec_path(spec: str) -> str:
     """`experiments/toy.py:dp` relative to the cwd, else to the repo root (editable installs)."""
     path, _, arg = spec.partition(":")
-    p = Path(path)
-    if not p.exists() and (REPO_ROOT / path).exists():
-        p = REPO_ROOT / path
+    p = repo_path(path)
     if not p.exists():
         raise ConfigError("config", f"spec file {path!r} not found (looked in {os.getcwd()} and {REPO_ROOT}); "
                           "e.g. --config experiments/toy.py:streaming")
-    root = str(p.resolve().parent.parent)  # so `from experiments import base` works
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    make_importable(p.resolve().parent.parent)
     return f"{p}:{arg}" if arg else str(p)
 
 
@@ -59,7 +67,7 @@ def load_config(spec: str, overrides: list[str] = (), check_data: bool = True) -
 
 
 def _base_keys() -> set[str]:
-    sys.path.insert(0, str(REPO_ROOT))
+    make_importable(REPO_ROOT)
     from experiments import base
 
     return set(flatten(base.get_config()))

@@ -27,10 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from diloco.config import REPO_ROOT, make_importable, repo_path
 from diloco.errors import ConfigError
 
 LOCK = ".lock"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- building points ---------------------------------------------------------------------------------
@@ -70,13 +70,10 @@ def point_name(point: dict) -> str:
 def load_sweep(spec: str) -> dict:
     """`sweeps/x.py[:arg]` → {"name", "experiment", "points": [{"name", "spec", "overrides", "point"}]}."""
     path, _, arg = spec.partition(":")
-    p = Path(path)
-    if not p.exists() and (REPO_ROOT / path).exists():
-        p = REPO_ROOT / path
+    p = repo_path(path)
     if not p.is_file():
         raise ConfigError("sweep", f"sweep file {path!r} not found; e.g. diloco sweep sweeps/tau_alpha.py --root runs")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+    make_importable(REPO_ROOT)
     mod_spec = importlib.util.spec_from_file_location(f"_sweep_{p.stem}", p)
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
