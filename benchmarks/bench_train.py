@@ -45,7 +45,6 @@ def matmul_peak_flops(seconds: float = 3.0) -> float:
 
 def run_one(method: str, scale: str, steps: int, H: int, seq_len: int, batch: int) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

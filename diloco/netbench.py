@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

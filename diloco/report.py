@@ -386,7 +386,7 @@ def ablation_table(g: pd.DataFrame) -> pd.DataFrame:
     t.insert(0, "scale", g.scale.values)
     t["status"] = g.status.values
     t["eval_loss"] = g.final_eval_loss.values
-    t[f"vs_first_pct"] = [_pct(v, ref) for v in g.final_eval_loss]
+    t["vs_first_pct"] = [_pct(v, ref) for v in g.final_eval_loss]
     t["bytes_total"] = g.get("bytes_exchanged_total")
     t["bytes_peak_per_sync"] = g.get("bytes_peak_per_sync")
     t["fragments"] = g.get("fragments")

@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
         taus = [int(t) for t in args.taus.split(",") if t]
         alphas = [float(a) for a in args.alphas.split(",") if a]
     except ValueError:
-        print(f"diloco reproduce: bad input: --taus/--alphas must be comma-separated numbers, e.g. --taus 0,1,5", file=sys.stderr)
+        print("diloco reproduce: bad input: --taus/--alphas must be comma-separated numbers, e.g. --taus 0,1,5", file=sys.stderr)
         return 2
     # Runs of one sweep compile the same functions: share them through JAX's persistent cache.
     jax_cache = {k: os.environ.get(k, v) for k, v in (

@@ -262,9 +262,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
 
     `stop_after=k` behaves as if SIGTERM arrived during step k (tests of the preemption path)."""
     import jax
-    import jax.numpy as jnp
 
-    from diloco import __version__
     from diloco.checkpoint import Checkpointer, atomic_write_json, atomic_write_text
     from diloco.config import to_json, validate
     from diloco.data import TokenBatches, corpus_info, eval_batches

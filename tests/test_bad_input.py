@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import tiny_config
 from diloco.errors import ConfigError
 
 

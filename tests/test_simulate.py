@@ -1,6 +1,5 @@
 """Compute-utilisation simulator: hand-computed tiny DAGs, invariants, the paper table, the CLI."""
 import json
-import math
 
 import numpy as np
 import pytest

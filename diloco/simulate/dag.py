@@ -180,7 +180,6 @@ def simulate(
         if k == "bwd_param":
             grad_ready[l] = e
     fwd_dur = np.full(L, tf)
-    fwd_total = tf * L
 
     sched = reduce_schedule(method, L)
     warm_steps = max(warmup_periods * method.h, method.tau + 2)
