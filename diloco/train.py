@@ -553,8 +553,11 @@ def _replica_finite(params_R):
 
 
 def _check_pending_finite(state, p: int, t: int, last_ckpt: int = 0, finite_R=None) -> None:
-    v = np.asarray(state["outer"]["pending"][p])
-    if not np.all(np.isfinite(v)):
+    import jax.numpy as jnp
+
+    pending = state["outer"]["pending"][p]
+    if not bool(jnp.isfinite(pending).all()):  # one scalar to the host per sync, the vector only on failure
+        v = np.asarray(pending)
         try:
             bad = [m for m, ok in enumerate(np.asarray(finite_R)) if not ok]
         except Exception:  # None, or not addressable from this process
