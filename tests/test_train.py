@@ -101,6 +101,13 @@ def test_bytes_streaming_equals_diloco_total_with_P_times_lower_peak(tmp_path):
     n = d["params"]
     assert d["bytes_peak_per_sync"] == (n + 1) // 2 + 4 * -(-n // 32)
     assert d["bytes_exchanged_total"] == 3 * 2 * d["bytes_peak_per_sync"]
+    # DP / Streaming(FP4, H): bf16 gradients every step vs one E3M0 round every H steps. With a pure
+    # 4-bit payload and steps = rounds·H this is 16/4·H = 4H; here the ratio carries the 4-byte scale
+    # per 32 elements (0.625 bytes/element, not 0.5) and 15 steps for 3 rounds.
+    dp = run("dp")
+    steps, rounds = 3 * H + 3, 3
+    expected = 4 * H * (steps / (rounds * H)) * (0.5 / (0.5 + 4 / 32))
+    assert abs(dp["bytes_exchanged_total"] / s["bytes_exchanged_total"] / expected - 1) < 0.01
 
 
 def test_dp_counts_bf16_gradients_every_step(tmp_path):
