@@ -104,6 +104,18 @@ def to_host(x) -> "Any":
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def local_rows(x) -> dict[int, Any]:
+    """{row: value} of a 1-D array's rows held by this process (blocks on local work only)."""
+    import numpy as np
+
+    out: dict[int, Any] = {}
+    for s in x.addressable_shards:
+        start = (s.index[0].start or 0) if s.index else 0
+        for i, v in enumerate(np.asarray(s.data).reshape(-1)):
+            out.setdefault(start + i, v)
+    return out
+
+
 def global_array(x_np, sharding):
     """Global array from a host value that every process holds whole (same seed, same data)."""
     import jax

@@ -10,6 +10,7 @@ functions per fragment, called as the pure schedule says. Evaluation uses θ^g.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -66,7 +67,8 @@ def inner_optimizer(cfg):
 class Trainer:
     """Owns the state; the loop only wires model, data, schedule and syncs together."""
 
-    def __init__(self, cfg, workdir: str | os.PathLike, need_data: bool = True, devices=None):
+    def __init__(self, cfg, workdir: str | os.PathLike, need_data: bool = True, devices=None, comm_devices=None,
+                 timeline=None):
         import jax
         import jax.numpy as jnp
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -109,6 +111,17 @@ class Trainer:
             self.sync = OuterSync(frags, codec, outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov),
                                   cfg.alpha, mesh)
             self.schedule = make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau)
+        # Multi-process with a comm device per process: exchanges run there, overlapping the inner
+        # steps, and are waited for only at their apply (diloco/outer/overlap.py).
+        self.overlap = None
+        if self.sync is not None and comm_devices:
+            from diloco.outer.overlap import OverlappedExchange, overlap_unsupported
+
+            why = overlap_unsupported(self.mesh, comm_devices)
+            if why:
+                print(f"diloco train: exchanges will not overlap the inner steps: {why}", file=sys.stderr)
+            else:
+                self.overlap = OverlappedExchange(self.sync, self.mesh, comm_devices, timeline)
         self._jit_cache: dict[Any, Any] = {}
 
     # -- state --------------------------------------------------------------------------------------
@@ -235,22 +248,48 @@ class Trainer:
         self._jit_cache[key] = fn
         return fn
 
-    def run_syncs(self, state, t: int, key=None, contrib=None) -> tuple[Any, list[tuple[int, int]]]:
-        """Everything the schedule says happens after inner step t. Returns (state, [(p, bytes)])."""
+    def run_syncs(self, state, t: int, key=None, contrib=None, check=None) -> tuple[Any, list[tuple[int, int]]]:
+        """Everything the schedule says happens after inner step t. Returns (state, [(p, bytes)]).
+
+        `check(state, p, t_send, finite_R)` is called once fragment p's averaged outer gradient is in
+        `outer["pending"][p]`: right after the send, or at its apply when the exchange overlaps
+        (`finite_R`: which replicas held only finite values at the send, for the error message)."""
         jax, jnp = self.jax, self.jnp
         sent = []
         if self.schedule is None:
             return state, sent
         base = key if key is not None else jax.random.PRNGKey(self.cfg.seed + 1)
-        for p in self.schedule.sends(t):
+        sends = self.schedule.sends(t)
+        finite_R = _replica_finite(state["params"]) if sends and check else None  # culprit, pre-merge
+        for p in sends:
             c = np.ones(self.R, np.float32) if contrib is None else np.asarray(contrib(t, p), np.float32)
-            state = self._sync_fn("send", p)(state, jax.random.fold_in(jax.random.fold_in(base, t), p), jnp.asarray(c))
+            k = jax.random.fold_in(jax.random.fold_in(base, t), p)
+            if self.overlap is not None:
+                self.overlap.send(state, p, k, jnp.asarray(c), t, finite_R)
+            else:
+                state = self._sync_fn("send", p)(state, k, jnp.asarray(c))
+                if check:
+                    check(state, p, t, finite_R)
             sent.append((p, int(self.sync.bytes_per_replica(p) * (c > 0).sum())))
         for p in self.schedule.outer_updates(t):
+            if self.overlap is not None:
+                state, rec = self.overlap.land(state, p, t)
+                if rec is not None and check:
+                    check(state, p, rec.step, rec.finite_R)
             state = self._sync_fn("update", p)(state)
         for p, mask in self.schedule.merges(t):
             state = self._sync_fn("merge", p)(state, jnp.asarray(mask))
         return state, sent
+
+    def settle(self, state, check=None):
+        """Land every exchange still in flight (before a checkpoint or the end of the run)."""
+        if self.overlap is None:
+            return state
+        state, landed = self.overlap.land_all(state)
+        for p, rec in landed:
+            if check:
+                check(state, p, rec.step, rec.finite_R)
+        return state
 
     def dp_bytes_per_replica(self) -> int:
         return self.n_params * np.dtype(self.jnp.dtype(self.cfg.dp_grad_dtype)).itemsize
@@ -282,7 +321,13 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     if primary:
         atomic_write_text(old, cfg_json)
 
-    tr = Trainer(cfg, workdir, devices=dist.compute_devices())
+    timeline = None
+    if dist.num_processes() > 1:  # wall-clock events of every process: steps, exchanges, waits
+        from diloco.outer.overlap import Timeline
+
+        timeline = Timeline(workdir / "timeline" / f"rank{jax.process_index()}.jsonl", jax.process_index(),
+                            resume=True)
+    tr = Trainer(cfg, workdir, devices=dist.compute_devices(), comm_devices=dist.comm_devices(), timeline=timeline)
     ck = Checkpointer(workdir, cfg.keep_checkpoints)
     got = ck.restore(tr.abstract_state(), quarantine=True)
     data = TokenBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, split="train", seed=cfg.seed,
@@ -316,9 +361,34 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
         params = tr.eval_params(st)
         return float(np.mean([float(ev(params, b)) for b in evals]))
 
+    def check(st, p, t_send, finite_R):
+        _check_pending_finite(st, p, t_send, max(ck.steps(), default=0), finite_R)
+
+    window: list[tuple[int, Any, Any]] = []  # (t, ce_R, finite_R) on device, since the last flush
+
+    def flush():
+        """Fold the window's per-replica losses into `losses` (one gather across processes)."""
+        for t_, ce, fin in _gather_window(window):
+            if fin.all():
+                losses.append(float(ce.mean()))
+                continue
+            bad = [m for m, f in enumerate(fin) if not f]
+            if faults.nan_policy != "skip":
+                raise NumericalFault(f"step {t_}: non-finite loss or gradient on replica(s) {bad} "
+                                     f"(loss {ce.tolist()}); the run stopped and the last good checkpoint "
+                                     f"(step {max(ck.steps(), default=0)}) is kept. Lower optimizer.lr or set "
+                                     "--config.faults.nan_policy=skip to skip bad batches.")
+            counters["skipped_batches"] += 1
+            print(f"step {t_}: non-finite loss/gradient on replica(s) {bad}; batch skipped "
+                  "(faults.nan_policy=skip)", file=sys.stderr)
+        window.clear()
+
     def save(step, st):
+        flush()
+        st = tr.settle(st, check)
         ck.save(step, st, {"data": data.get_state(), "counters": counters, "step": step,
                            "pending_losses": losses})
+        return st
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0 = time.time() - counters["wall_seconds"]
@@ -333,31 +403,25 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             tokens_RxBxL = dist.global_array(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
             if cfg.freeze_non_syncing and tr.schedule is not None:
                 inner = tr.inner_step_fn(active=tr.schedule.next_sender(t))
+            t_start = time.perf_counter()
             state, ce_R, fin_R = inner(state, tokens_RxBxL, *_fault_poison(cfg, tr.R, t, "loss"))
-            ce_R, fin_R = dist.to_host(ce_R), dist.to_host(fin_R)
-            if not np.all(np.asarray(fin_R)):
-                bad = [m for m, f in enumerate(np.asarray(fin_R)) if not f]
-                if faults.nan_policy == "skip":
-                    counters["skipped_batches"] += 1
-                    print(f"step {t}: non-finite loss/gradient on replica(s) {bad}; batch skipped "
-                          "(faults.nan_policy=skip)", file=sys.stderr)
-                else:
-                    raise NumericalFault(f"step {t}: non-finite loss or gradient on replica(s) {bad} "
-                                         f"(loss {ce_R.tolist()}); the run stopped and the last good checkpoint "
-                                         f"(step {max(ck.steps(), default=0)}) is kept. Lower optimizer.lr or set "
-                                         "--config.faults.nan_policy=skip to skip bad batches.")
-            else:
-                losses.append(float(ce_R.mean()))
+            # This process's replicas only (no collective per step: it would queue behind an exchange
+            # in flight); the whole window is gathered at the next log row or checkpoint.
+            fin_local = dist.local_rows(fin_R)
+            if timeline is not None:
+                timeline.add("step", step=t, start=round(t_start - timeline.t0, 6),
+                             end=round(time.perf_counter() - timeline.t0, 6))
+            window.append((t, ce_R, fin_R))
+            if faults.nan_policy != "skip" and not all(fin_local.values()):
+                flush()  # raises with every replica's loss
             if tr.sync is not None:
                 if faults.restart_replica >= 0 and t == faults.restart_step:
                     state = _restart_replica(tr, state, faults.restart_replica)
                 for v in _fault_poison(cfg, tr.R, t, "outer"):  # replica's params go bad before the send
                     state = {**state, "params": jax.tree_util.tree_map(
                         lambda x: x * v.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), state["params"])}
-                finite_R = _replica_finite(state["params"]) if tr.schedule.sends(t) else None  # culprit, pre-merge
-                state, sent = tr.run_syncs(state, t, contrib=contrib)
+                state, sent = tr.run_syncs(state, t, contrib=contrib, check=check)
                 for p, nb in sent:
-                    _check_pending_finite(state, p, t, max(ck.steps(), default=0), finite_R)
                     counters["bytes_exchanged"] += nb
                     counters["syncs"] += 1
                     key = str(p)
@@ -373,6 +437,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             bar.update(1)
             row = None
             if t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t == cfg.steps:
+                flush()
                 now = time.time()
                 tok_s = (t - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9)
                 last_log_time, last_log_step = now, t
@@ -391,26 +456,29 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             if _downstream_due(cfg, t):
                 _run_downstream(tr, state, workdir, cfg, write=primary)
             if t % cfg.checkpoint_every == 0 and t != cfg.steps:
-                save(t, state)
+                state = save(t, state)
             if stop_after is not None and t == stop_after:
                 stop["signal"] = "SIGTERM"
             if stop["signal"]:
                 if t not in ck.steps():  # a checkpoint step already saved this state
-                    save(t, state)
+                    state = save(t, state)
                 bar.close()
                 msg = (f"{stop['signal']}: saved a checkpoint at step {t} in {workdir / 'ckpt'}; "
                        "run the same command to resume")
                 print(msg, file=sys.stderr)
                 raise KeyboardInterrupt(msg)
         bar.close()
+        state = tr.settle(state, check)
         if not ck.steps() or max(ck.steps()) != cfg.steps:
-            save(cfg.steps, state)
+            state = save(cfg.steps, state)
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
         ck.close()
         if tb is not None:
             tb.close()
+        if timeline is not None:
+            timeline.close()
 
     params = tr.eval_params(state)
     summary = _summary_base(workdir)
@@ -541,6 +609,27 @@ def _restart_replica(tr: Trainer, state, m: int):
                                    is_leaf=is_sched)
     opt = jax.tree_util.tree_map(lambda o, f: o.at[m].set(f[m]), state["opt"], fresh)
     return {**state, "params": params, "opt": opt}
+
+
+def _gather_window(window: list) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """[(t, ce_R, finite_R)] as host values; across processes, one all-gather for the whole window."""
+    if not window:
+        return []
+    from diloco import distributed as dist
+
+    if dist.num_processes() <= 1:
+        return [(t, np.asarray(ce), np.asarray(fin)) for t, ce, fin in window]
+    ce_W, fin_W = _stack_window()([w[1] for w in window], [w[2] for w in window])
+    ce_W, fin_W = dist.to_host(ce_W), dist.to_host(fin_W)
+    return [(t, ce_W[i], fin_W[i]) for i, (t, _, _) in enumerate(window)]
+
+
+@functools.cache
+def _stack_window():
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda c, f: (jnp.stack(c), jnp.stack(f)))
 
 
 def _replica_finite(params_R):

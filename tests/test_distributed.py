@@ -54,15 +54,16 @@ def _rows(workdir) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["streaming", "dp"])
-def test_two_processes_match_one_process(tmp_path, method):
-    """Same config and seed: the 2-process job logs the numbers of the 1-process run."""
+@pytest.mark.parametrize("method,comm", [("streaming", False), ("streaming", True), ("dp", False)])
+def test_two_processes_match_one_process(tmp_path, method, comm):
+    """Same config and seed: the 2-process job logs the numbers of the 1-process run, also when the
+    exchanges run on a comm device and overlap the inner steps."""
     one, two = tmp_path / "one", tmp_path / "two"
     extra = [] if method == "streaming" else ["--config.replicas=2"]
     r1 = _run(["train", "--config", f"experiments/toy.py:{method}", "--workdir", str(one), *TINY, *extra])
     assert r1.returncode == 0, r1.stderr[-3000:]
-    r2 = _run(["launch", "--processes", "2", "--logdir", str(tmp_path / "logs"), "--", "train", "--config",
-               f"experiments/toy.py:{method}", "--workdir", str(two), *TINY, *extra])
+    r2 = _run(["launch", "--processes", "2", *(["--comm_device"] if comm else []), "--logdir", str(tmp_path / "logs"),
+               "--", "train", "--config", f"experiments/toy.py:{method}", "--workdir", str(two), *TINY, *extra])
     assert r2.returncode == 0, r2.stderr[-3000:]
     a, b = _rows(one), _rows(two)
     assert [r["step"] for r in a] == [r["step"] for r in b]
@@ -73,7 +74,18 @@ def test_two_processes_match_one_process(tmp_path, method):
                 assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), (k, x["step"])
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert s2["final_eval_loss"] == pytest.approx(s1["final_eval_loss"], rel=1e-5)
-    assert s2["versions"]["devices"] == 2  # the job really spans two processes
+    assert s2["versions"]["devices"] == (4 if comm else 2)  # the job really spans two processes
+    from diloco.outer.overlap import overlap_report, read_timeline
+
+    for rank in (0, 1):
+        rows = read_timeline(two / "timeline" / f"rank{rank}.jsonl")
+        assert sorted(r["step"] for r in rows if r["kind"] == "step") == list(range(1, 9))
+        rep = overlap_report(rows)
+        if comm:  # sends at 4, 5, 7, 8 (H=4, P=3, τ=1): each dispatched, completed and applied
+            assert rep["exchanges"] == rep["completed"] == 4, rep
+            assert sum(r["kind"] == "apply_wait" for r in rows) == 4
+        else:
+            assert rep["exchanges"] == 0
 
 
 def _netns_usable() -> str | None:
@@ -105,6 +117,61 @@ def test_netns_script_shapes_links():
         assert "refused" in ping.stderr.lower(), ping.stderr  # reachable: the peer answers with RST
     finally:
         subprocess.run([script, "down", "2"], capture_output=True, env=env)
+
+
+@pytest.mark.slow
+def test_trainer_exchange_overlaps_inner_steps_on_a_throttled_link(tmp_path):
+    """At 1 Mbit/s a tiny fragment (12.7 KB in E3M0) takes ≈0.1 s on the wire, ~20 tiny inner steps:
+    with a comm device the loop runs the next inner steps while it is in flight."""
+    why = _netns_usable()
+    if why:
+        pytest.skip(why)
+    script = str(REPO / "scripts" / "netns.sh")
+    env = dict(os.environ, DILOCO_NETNS_PREFIX="dlrep", DILOCO_NETNS_BRIDGE="dlbr0", DILOCO_NETNS_SUBNET="10.77.0")
+    if subprocess.run(["ip", "netns", "pids", "dlrep0"], capture_output=True, text=True).stdout.strip():
+        pytest.skip("namespace dlrep0 is in use by a running measurement")
+    try:
+        r = subprocess.run([script, "up", "2", "1mbit"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        wd = tmp_path / "run"
+        steps = ["--config.steps=24", "--config.H=8", "--config.log_every=24", "--config.eval_every=24"]
+        r2 = _run(["launch", "--processes", "2", "--netns", "--comm_device", "--logdir", str(tmp_path / "logs"),
+                   "--", "train", "--config", "experiments/toy.py:streaming", "--workdir", str(wd), *TINY, *steps])
+        assert r2.returncode == 0, r2.stderr[-3000:]
+    finally:
+        subprocess.run([script, "down", "2"], capture_output=True, env=env)
+    from diloco.outer.overlap import overlap_report, read_timeline
+
+    rows = read_timeline(wd / "timeline" / "rank0.jsonl")
+    rep = overlap_report(rows)
+    assert rep["exchanges"] == rep["completed"] >= 6, rep
+    # every exchange but the first (which pays the compilation on both processes) ran beside compute
+    assert rep["checkable"] >= 5 and rep["overlapped"] >= rep["checkable"] - 1, rows
+
+
+def test_overlap_report_from_a_hand_built_timeline():
+    from diloco.outer.overlap import overlap_report
+
+    rows = [{"kind": "step", "step": 1, "start": 0.0, "end": 1.0},
+            {"kind": "exchange_start", "step": 1, "fragment": 0, "t": 1.05},
+            {"kind": "step", "step": 2, "start": 1.1, "end": 2.1},
+            {"kind": "exchange_end", "step": 1, "fragment": 0, "t": 2.5},  # after step 2 began: overlapped
+            {"kind": "apply_wait", "step": 2, "fragment": 0, "waited_s": 0.4, "t": 2.5},
+            {"kind": "step", "step": 3, "start": 2.5, "end": 3.0},
+            {"kind": "exchange_start", "step": 3, "fragment": 1, "t": 3.0},
+            {"kind": "exchange_end", "step": 3, "fragment": 1, "t": 3.1},  # before step 4 began
+            {"kind": "step", "step": 4, "start": 3.2, "end": 4.0}]
+    rep = overlap_report(rows)
+    # window: steps 2–4 after the first send's step; compute 1.0 + 0.5 + 0.8 over wall 4.0 − 1.0
+    assert rep["cu"] == pytest.approx(2.3 / 3.0)
+    assert (rep["exchanges"], rep["completed"], rep["checkable"], rep["overlapped"]) == (2, 2, 2, 1)
+    assert rep["apply_wait_s"] == pytest.approx(0.4) and rep["steps_measured"] == 3
+
+
+def test_local_rows_of_a_single_process_array():
+    import jax.numpy as jnp
+
+    assert dist.local_rows(jnp.asarray([True, False, True])) == {0: True, 1: False, 2: True}
 
 
 def test_cross90_interpolates_in_log_rate():

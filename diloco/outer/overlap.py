@@ -1,0 +1,194 @@
+"""Outer exchanges that really overlap the inner steps (multi-process runs with a comm device).
+
+A fragment's exchange is dispatched at its send step on a second device per process (the comm
+device, `diloco launch --comm_device`) and only waited for at its apply, τ inner steps later.
+XLA:CPU runs the executions of one device in order and its collectives are synchronous, so an
+exchange on the compute device would stall the inner steps behind it; on a device of its own it
+runs beside them (docs/distributed.md §2 has the measurements).
+
+The numbers are those of `OuterSync.send`: the same Δ = θ^g_p − θ_m,p and keys (computed on the
+compute devices), the same `OuterSync._exchange` (encode → all-gather over `replica` → decode →
+FP32 average), only placed on other devices. Landing a fragment writes its average into
+`outer["pending"][p]`, the checkpointed slot the synchronous path uses, so checkpoints and resume
+are unchanged (the loop lands everything in flight before it saves).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class InFlight:
+    out: Any          # (n_p,) f32 average, replicated over the comm mesh
+    step: int         # the inner step after which it was sent
+    finite_R: Any     # (R,) bool: which replicas held only finite values at the send (for errors)
+
+
+def overlap_unsupported(mesh, comm_devices) -> str | None:
+    """Why the overlapped path cannot serve this mesh (None: it can)."""
+    if not comm_devices:
+        return "no comm device (diloco launch --comm_device)"
+    if mesh.shape["data"] != 1:
+        return f"the mesh has a data axis of {mesh.shape['data']}; the overlapped exchange needs data = 1"
+    procs = [d.process_index for d in mesh.devices[:, 0]]
+    if sorted(procs) != sorted({d.process_index for d in comm_devices}):
+        return "every replica row must live on a different process that has a comm device"
+    return None
+
+
+class OverlappedExchange:
+    """Fragment exchanges in flight on the comm devices; `land` waits for one at its apply."""
+
+    def __init__(self, sync, mesh, comm_devices, timeline: "Timeline | None" = None):
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        why = overlap_unsupported(mesh, comm_devices)
+        if why:
+            raise ValueError(why)
+        by_proc = {d.process_index: d for d in comm_devices}
+        rows = [by_proc[d.process_index] for d in mesh.devices[:, 0]]  # comm device of each replica row
+        self.jax, self.mesh, self.sync, self.timeline = jax, mesh, sync, timeline
+        self.comm_mesh = Mesh(np.array(rows), ("replica",))
+        self.xsync = dataclasses.replace(sync, mesh=self.comm_mesh)
+        self.rep = NamedSharding(mesh, P("replica"))
+        self.repl = NamedSharding(mesh, P())
+        self.comm_rep = NamedSharding(self.comm_mesh, P("replica"))
+        self.local_comm = {d.process_index: d for d in rows}[jax.process_index()]
+        self.inflight: dict[int, InFlight] = {}
+        self._prep: dict[int, Any] = {}
+        self._x: dict[int, Any] = {}
+
+    # -- send --------------------------------------------------------------------------------------
+    def _prep_fn(self, p: int):
+        if p not in self._prep:
+            jax, sync = self.jax, self.sync
+
+            def prep(params_R, outer, key, contrib_R):
+                g_n = sync.frags.flatten(outer["params"], p)
+                delta = g_n[None] - jax.vmap(lambda t: sync.frags.flatten(t, p))(params_R)
+                return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
+
+            self._prep[p] = jax.jit(prep, out_shardings=(self.rep, self.rep, self.rep))
+        return self._prep[p]
+
+    def _to_comm(self, x):
+        """A replica-sharded array on the compute mesh → the same rows on the comm mesh."""
+        jax = self.jax
+        bufs = [jax.device_put(s.data, self.local_comm) for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, self.comm_rep, bufs)
+
+    def send(self, state, p: int, key, contrib_R, t: int, finite_R=None) -> None:
+        """Dispatch fragment p's exchange; returns at once (the comm device works in the background)."""
+        if p in self.inflight:
+            raise RuntimeError(f"fragment {p} sent at step {t} while its exchange from step "
+                               f"{self.inflight[p].step} is still in flight (τ ≥ H?)")
+        delta, keys, w = self._prep_fn(p)(state["params"], state["outer"], key, contrib_R)
+        args = [self._to_comm(a) for a in (delta, keys, w)]
+        if p not in self._x:
+            self._x[p] = self.jax.jit(self.xsync._exchange)
+        out = self._x[p](*args)
+        self.inflight[p] = InFlight(out, t, finite_R)
+        if self.timeline is not None:
+            self.timeline.add("exchange_start", step=t, fragment=p)
+            self.timeline.watch(out, "exchange_end", step=t, fragment=p)
+
+    # -- land --------------------------------------------------------------------------------------
+    def land(self, state, p: int, t: int | None = None):
+        """Wait for fragment p (if in flight) and put its average into outer["pending"][p].
+
+        Returns (state, InFlight or None): None when nothing was in flight (e.g. a resumed run
+        whose checkpoint already holds the average)."""
+        jax = self.jax
+        rec = self.inflight.pop(p, None)
+        if rec is None:
+            return state, None
+        t0 = time.perf_counter()
+        local = rec.out.addressable_shards[0].data
+        local.block_until_ready()
+        waited = time.perf_counter() - t0
+        if self.timeline is not None:
+            self.timeline.add("apply_wait", step=t if t is not None else rec.step, fragment=p, waited_s=waited)
+        bufs = [jax.device_put(local, d) for d in self.repl.addressable_devices]
+        avg = jax.make_array_from_single_device_arrays(local.shape, self.repl, bufs)
+        pending = list(state["outer"]["pending"])
+        pending[p] = avg
+        return {**state, "outer": {**state["outer"], "pending": pending}}, rec
+
+    def land_all(self, state):
+        landed = []
+        for p in sorted(self.inflight):
+            state, rec = self.land(state, p)
+            landed.append((p, rec))
+        return state, landed
+
+
+class Timeline:
+    """Per-process wall-clock events (inner steps, exchange start/end, apply waits) → JSONL.
+
+    Times are seconds on this process's monotonic clock since `t0`; `t0_monotonic` in the first
+    line lets one put the ranks of one machine on one axis."""
+
+    def __init__(self, path: os.PathLike, rank: int, resume: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.perf_counter()
+        self.lock = threading.Lock()
+        self.f = open(self.path, "a" if resume else "w")
+        self._write({"kind": "start", "rank": rank, "t0_monotonic": time.monotonic(), "t": 0.0})
+
+    def _write(self, row: dict) -> None:
+        with self.lock:
+            self.f.write(json.dumps(row) + "\n")
+
+    def add(self, kind: str, **kw) -> float:
+        now = time.perf_counter()
+        self._write({"kind": kind, "t": round(now - self.t0, 6), **kw})
+        return now
+
+    def watch(self, x, kind: str, **kw) -> None:
+        """Record when `x` becomes ready, from a daemon thread (never blocks the loop)."""
+        def wait():
+            x.block_until_ready()
+            self.add(kind, **kw)
+        threading.Thread(target=wait, daemon=True).start()
+
+    def close(self) -> None:
+        with self.lock:
+            self.f.close()
+
+
+def read_timeline(path: os.PathLike) -> list[dict]:
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+
+
+def overlap_report(rows: list[dict]) -> dict:
+    """Compute utilisation and overlap evidence from one rank's timeline.
+
+    cu = Σ inner-step time / wall time from the first exchange to the last step; `overlapped` counts
+    exchanges that completed after the next inner step had started (they ran beside compute), out of
+    the `checkable` ones (completed, with a next step in the timeline)."""
+    steps = {r["step"]: r for r in rows if r["kind"] == "step"}
+    starts = [r for r in rows if r["kind"] == "exchange_start"]
+    ends = {(r["step"], r["fragment"]): r["t"] for r in rows if r["kind"] == "exchange_end"}
+    waits = [r["waited_s"] for r in rows if r["kind"] == "apply_wait"]
+    if not steps or not starts:
+        return {"exchanges": len(starts)}
+    first = min(r["step"] for r in starts)
+    window = [s for k, s in steps.items() if k > first]
+    wall = max(s["end"] for s in window) - steps[first]["end"] if window else 0.0
+    compute = sum(s["end"] - s["start"] for s in window)
+    checkable = [r for r in starts if (r["step"], r["fragment"]) in ends and r["step"] + 1 in steps]
+    overlapped = sum(1 for r in checkable if ends[(r["step"], r["fragment"])] > steps[r["step"] + 1]["start"])
+    return {"exchanges": len(starts), "completed": len(ends), "checkable": len(checkable), "overlapped": overlapped,
+            "cu": compute / wall if wall > 0 else None, "apply_wait_s": float(np.sum(waits)) if waits else 0.0,
+            "max_apply_wait_s": float(np.max(waits)) if waits else 0.0, "steps_measured": len(window),
+            "median_step_s": float(np.median([s["end"] - s["start"] for s in window])) if window else None}
