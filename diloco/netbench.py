@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -416,6 +418,176 @@ def _launch(argv: list[str], out: Path) -> int:
                           timeout=1800).returncode
 
 
+# -- the trainer itself over shaped links (diloco launch -- train) ------------------------------------
+# variant -> (experiments/toy.py method, overrides, comm device, simulator method, simulator τ)
+TRAIN_VARIANTS = {
+    "dp": ("dp", dict(replicas=2), False, "dp", 0),
+    "diloco": ("streaming", dict(fragments=1, layers_per_fragment=0, tau=0, codec="bf16"), False, "diloco", 0),
+    "streaming_fp4_blocking": ("streaming", dict(tau=1), False, "streaming", 0),
+    "streaming_fp4_overlap": ("streaming", dict(tau=1), True, "streaming_overlap_fp4", 1),
+    "streaming_fp4_overlap_tau5": ("streaming", dict(tau=5), True, "streaming_overlap_fp4", 5),
+}
+
+
+def train_args(variant: str, steps: int, H: int, workdir: Path) -> tuple[list[str], bool]:
+    """`diloco train` argv of one variant (toy scale, batch 8 × 64 per replica) and its comm flag."""
+    method, over, comm, _, _ = TRAIN_VARIANTS[variant]
+    base = dict(seq_len=64, batch_size=16, steps=steps, H=H, log_every=H, eval_every=steps, eval_batches=2,
+                checkpoint_every=steps, codec_block_size=256)
+    argv = ["train", "--config", f"experiments/toy.py:{method}", "--workdir", str(workdir), "--no_progress"]
+    return argv + [f"--config.{k}={v}" for k, v in {**base, **over}.items()], comm
+
+
+def _payload_bytes(summary: dict, n_params: int) -> list[int]:
+    from diloco.outer.codecs import encoded_nbytes, make_codec
+
+    if summary["method"] == "dp":  # GSPMD all-reduces the fp32 gradients inside the jitted step
+        return [4 * n_params]
+    codec = make_codec(summary["codec"], 256)
+    return [encoded_nbytes(codec, n) for n in summary["fragment_sizes"]]
+
+
+def train_row(variant: str, rate: str, workdir: Path, H: int, ref_step_s: float | None,
+              achieved_mbit: float | None = None) -> dict:
+    """One measured point from a finished run's summary and its per-rank timelines."""
+    from diloco.outer.overlap import overlap_report, read_timeline
+
+    summ = json.loads((workdir / "summary.json").read_text())
+    warm = 5 if variant == "dp" else 2 * H  # every jit (sends, applies, merges) has run once
+    reps = [overlap_report(read_timeline(f), warm) for f in sorted((workdir / "timeline").glob("rank*.jsonl"))]
+    _, _, comm, sim_method, sim_tau = TRAIN_VARIANTS[variant]
+    row = {"variant": variant, "rate": rate, "rate_mbit": rate_mbit(rate), "comm_device": comm,
+           "cu_ranks": [r.get("cu") for r in reps], "step_time_s": float(np.median([r["median_step_s"] for r in reps])),
+           "wall_s": float(np.mean([r["wall_s"] for r in reps])), "steps_measured": reps[0]["steps_measured"],
+           "exchanges": reps[0]["exchanges"], "checkable": reps[0]["checkable"], "overlapped": reps[0]["overlapped"],
+           "apply_wait_s": reps[0]["apply_wait_s"], "final_eval_loss": summ["final_eval_loss"],
+           "params_sha256": summ["params_sha256"], "bytes_exchanged_total": summ["bytes_exchanged_total"],
+           "method": sim_method, "tau": sim_tau, "H": H if variant != "dp" else 1,
+           "fragments": summ["fragments"] or 1, "params": summ["params"], "layers": 6,
+           "payload_bytes": _payload_bytes(summ, summ["params"])}
+    if variant == "dp":  # the step's all-reduce sits inside the jitted step: compute is the no-link step time
+        row["step_time_s"] = ref_step_s
+        row["cu"] = row["steps_measured"] * ref_step_s / row["wall_s"]
+    else:
+        row["cu"] = float(np.mean(row["cu_ranks"]))
+    row["sim_cu_at_rate"] = simulated_cu(row, row["rate_mbit"] / 1e3)
+    row["netbench_mbit_per_s"] = achieved_mbit
+    row["sim_cu_at_measured_throughput"] = simulated_cu(row, achieved_mbit / 1e3) if achieved_mbit else None
+    return row
+
+
+def train_sweep(rates: list[str], variants: list[str], out: Path, steps: int = 120, H: int = 20,
+                dp_steps: int = 30) -> list[dict]:
+    """Root: for each rate, shape the links and run `diloco launch --netns [--comm_device] -- train` per
+    variant; finished runs (summary.json present) are not run again. Rows → OUT/train_cu.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    ref_dir = out / "runs" / "dp_reference_1proc"
+    if not (ref_dir / "summary.json").exists():  # DP's compute time: the same step with no link
+        argv, _ = train_args("dp", dp_steps, H, ref_dir)
+        argv += ["--config.replicas=1", "--config.batch_size=8"]
+        subprocess.run([sys.executable, "-m", "diloco.cli", *argv], cwd=REPO, check=True,
+                       env=dict(os.environ, DILOCO_TIMELINE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from diloco.outer.overlap import overlap_report, read_timeline
+
+    ref_step = overlap_report(read_timeline(ref_dir / "timeline" / "rank0.jsonl"), 5)["median_step_s"]
+    rows = []
+    for rate in rates:
+        shaped = False
+        tp = out / "runs" / rate / "throughput.json"  # what the shaped link achieves for the exchange's all-gather
+        if not tp.exists():
+            shape_links(2, rate)
+            shaped = True
+            tp.parent.mkdir(parents=True, exist_ok=True)
+            _launch(["netbench", "throughput", "--mb", str(min(4.0, rate_mbit(rate) / 8)), "--out", str(tp)], out)
+        achieved = json.loads(tp.read_text())["mbit_per_s"] if tp.exists() else None
+        for v in variants:
+            wd = out / "runs" / rate / v
+            if not (wd / "summary.json").exists():
+                if not shaped:
+                    shape_links(2, rate)
+                    shaped = True
+                shutil.rmtree(wd, ignore_errors=True)  # a half-finished run: its timeline would be mixed
+                argv, comm = train_args(v, dp_steps if v == "dp" else steps, H, wd)
+                cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "2", "--netns",
+                       *(["--comm_device"] if comm else []), "--logdir", str(out / "runs" / "logs"), "--", *argv]
+                rc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    timeout=1800).returncode
+                if rc:
+                    print(f"{rate} {v}: failed (rc={rc}); logs in {out / 'runs' / 'logs'}", file=sys.stderr)
+                    continue
+            row = train_row(v, rate, wd, H, ref_step, achieved)
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("rate", "variant", "cu", "sim_cu_at_rate", "overlapped",
+                                                  "checkable", "final_eval_loss")}), flush=True)
+    from diloco.checkpoint import atomic_write_text
+
+    old = out / "train_cu.jsonl"  # rows of earlier calls (other rates or variants) are kept
+    keep = [json.loads(l) for l in old.read_text().splitlines() if l.strip()] if old.exists() else []
+    new = {(r["rate"], r["variant"]) for r in rows}
+    rows = [r for r in keep if (r["rate"], r["variant"]) not in new] + rows
+    atomic_write_text(old, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def train_report(out: Path):
+    """OUT/train_cu.{csv,md,png} and the 90%-CU bandwidths from OUT/train_cu.jsonl."""
+    import pandas as pd
+
+    from diloco.checkpoint import atomic_write_text
+
+    rows = [json.loads(l) for l in (out / "train_cu.jsonl").read_text().splitlines() if l.strip()]
+    df = pd.DataFrame(rows)
+    order = {v: i for i, v in enumerate(TRAIN_VARIANTS)}
+    df = df.sort_values(["variant", "rate_mbit"], key=lambda c: c.map(order) if c.name == "variant" else c)
+    cols = ["variant", "rate", "netbench_mbit_per_s", "comm_device", "step_time_s", "cu", "sim_cu_at_rate",
+            "sim_cu_at_measured_throughput", "wall_s", "overlapped", "checkable", "apply_wait_s", "final_eval_loss",
+            "bytes_exchanged_total"]
+    df[cols + ["params_sha256"]].round(4).to_csv(out / "train_cu.csv", index=False)
+    cross = []
+    for v, sub in df.groupby("variant", sort=False):
+        cross.append({"variant": v, "measured_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.cu)),
+                      "simulated_mbit_for_90pct": cross90(list(sub.rate_mbit), list(sub.sim_cu_at_rate)),
+                      "simulated_at_achieved_mbit_for_90pct": cross90(
+                          list(sub.rate_mbit), list(sub.sim_cu_at_measured_throughput.fillna(0.0))),
+                      "distinct_final_params": sub.params_sha256.nunique()})
+    cross = pd.DataFrame(cross)
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        md.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    md += ["", "| variant | tc rate for 90% CU: measured | simulator | simulator at achieved rate "
+           "| distinct final params across rates |", "|---|---|---|---|---|"]
+    for _, r in cross.iterrows():
+        f = lambda x: "never" if x is None or x != x else f"{x:.3g}"
+        md.append(f"| {r.variant} | {f(r.measured_mbit_for_90pct)} | {f(r.simulated_mbit_for_90pct)} "
+                  f"| {f(r.simulated_at_achieved_mbit_for_90pct)} | {r.distinct_final_params} |")
+    atomic_write_text(out / "train_cu.md", "\n".join(md) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9.5, 4.6))
+    for i, (v, sub) in enumerate(df.groupby("variant", sort=False)):
+        ax.plot(sub.rate_mbit, sub.cu, "o-", color=f"C{i}", label=f"{v} (measured, diloco train)")
+        ax.plot(sub.rate_mbit, sub.sim_cu_at_rate, "--", color=f"C{i}", alpha=0.7, label=f"{v} (simulator)")
+        ax.plot(sub.rate_mbit, sub.sim_cu_at_measured_throughput, ":", color=f"C{i}", alpha=0.7,
+                label=f"{v} (simulator at achieved rate)")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate per replica (tc tbf), Mbit/s")
+    ax.set_ylabel("compute utilisation")
+    ax.axhline(0.9, color="grey", lw=0.5)
+    ax.set_ylim(0, 1.02)
+    ax.set_title("diloco train, 2 replica processes over throttled veth links (toy scale, 2 shared CPU cores)",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(out / "train_cu.png", dpi=120)
+    plt.close(fig)
+    print(df[cols].to_string(index=False))
+    print(cross.to_string(index=False))
+    return df, cross
+
+
 # -- CLI -----------------------------------------------------------------------------------------------
 def _write(path: str | None, obj: dict) -> None:
     if path and dist.is_primary():
@@ -450,11 +622,41 @@ def main(argv: list[str]) -> int:
     s.add_argument("--out", default="results/overlap")
     r = sub.add_parser("report", help="table + plot of a sweep beside the simulator's prediction")
     r.add_argument("--out", default="results/overlap")
+    ts = sub.add_parser("trainsweep", help="root: `diloco train` itself over shaped links, per rate and variant")
+    ts.add_argument("--rates", default="3mbit,10mbit,30mbit,100mbit,1gbit")
+    ts.add_argument("--variants", default=",".join(TRAIN_VARIANTS), help="of " + ", ".join(TRAIN_VARIANTS))
+    ts.add_argument("--steps", type=int, default=120)
+    ts.add_argument("--H", type=int, default=20)
+    ts.add_argument("--dp_steps", type=int, default=30, help="DP exchanges every step: fewer steps at low rates")
+    ts.add_argument("--out", default="results/overlap/trainer")
+    tl = sub.add_parser("timeline", help="overlap report of a run's timeline/rank*.jsonl (diloco train)")
+    tl.add_argument("workdir")
+    tl.add_argument("--warmup", type=int, default=0, help="steps to leave out of the CU window (0: up to the first send)")
     h = sub.add_parser("hlo", help="collectives of a compiled send + inner step (XLA_FLAGS=…device_count=2)")
     h.add_argument("--out", default=None)
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "hlo":
         print(json.dumps(combined_step_collectives(Path(args.out) if args.out else None)))
+        return 0
+    if args.cmd == "trainsweep":
+        bad = [v for v in args.variants.split(",") if v not in TRAIN_VARIANTS]
+        if bad:
+            print(f"diloco netbench: unknown variant(s) {bad}; valid: {', '.join(TRAIN_VARIANTS)}", file=sys.stderr)
+            return 2
+        train_sweep(args.rates.split(","), args.variants.split(","), Path(args.out), args.steps, args.H,
+                    args.dp_steps)
+        train_report(Path(args.out))
+        return 0
+    if args.cmd == "timeline":
+        from diloco.outer.overlap import overlap_report, read_timeline
+
+        files = sorted(Path(args.workdir, "timeline").glob("rank*.jsonl"))
+        if not files:
+            print(f"diloco netbench: no timeline under {args.workdir}/timeline (multi-process runs write one; "
+                  "DILOCO_TIMELINE=1 for a single process)", file=sys.stderr)
+            return 2
+        for f in files:
+            print(json.dumps({"rank": f.stem, **overlap_report(read_timeline(f), args.warmup)}))
         return 0
     if args.cmd == "report":
         g, cross = report(Path(args.out))

@@ -322,7 +322,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
         atomic_write_text(old, cfg_json)
 
     timeline = None
-    if dist.num_processes() > 1:  # wall-clock events of every process: steps, exchanges, waits
+    if dist.num_processes() > 1 or os.environ.get("DILOCO_TIMELINE") == "1":  # steps, exchanges, waits
         from diloco.outer.overlap import Timeline
 
         timeline = Timeline(workdir / "timeline" / f"rank{jax.process_index()}.jsonl", jax.process_index(),
@@ -414,13 +414,19 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             window.append((t, ce_R, fin_R))
             if faults.nan_policy != "skip" and not all(fin_local.values()):
                 flush()  # raises with every replica's loss
+            log_due = t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t == cfg.steps
+            if log_due:  # gather the losses before this step's sends: behind a fragment in flight it would wait
+                flush()
             if tr.sync is not None:
                 if faults.restart_replica >= 0 and t == faults.restart_step:
                     state = _restart_replica(tr, state, faults.restart_replica)
                 for v in _fault_poison(cfg, tr.R, t, "outer"):  # replica's params go bad before the send
                     state = {**state, "params": jax.tree_util.tree_map(
                         lambda x: x * v.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), state["params"])}
+                t_sync = time.perf_counter()
                 state, sent = tr.run_syncs(state, t, contrib=contrib, check=check)
+                if timeline is not None and (sent or tr.schedule.outer_updates(t)):
+                    timeline.add("syncs", step=t, start=round(t_sync - timeline.t0, 6), sent=[p for p, _ in sent])
                 for p, nb in sent:
                     counters["bytes_exchanged"] += nb
                     counters["syncs"] += 1
@@ -436,8 +442,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             counters["wall_seconds"] = time.time() - t0
             bar.update(1)
             row = None
-            if t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t == cfg.steps:
-                flush()
+            if log_due:
                 now = time.time()
                 tok_s = (t - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9)
                 last_log_time, last_log_step = now, t

@@ -201,3 +201,37 @@ def test_netbench_throughput_on_loopback(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["processes"] == 2 and res["mbit_per_s"] > 0
+
+
+def test_trainer_sweep_variants_are_valid_and_differ_only_where_named(tmp_path):
+    """Blocking and overlapped Streaming run one config (same numbers); only the comm device differs."""
+    from diloco.config import load_config, to_json
+    from diloco.netbench import TRAIN_VARIANTS, train_args
+
+    cfgs, comm = {}, {}
+    for v in TRAIN_VARIANTS:
+        argv, comm[v] = train_args(v, 120, 20, tmp_path / v)
+        cfgs[v] = load_config(argv[argv.index("--config") + 1], [a for a in argv if a.startswith("--config.")])
+    assert to_json(cfgs["streaming_fp4_blocking"]) == to_json(cfgs["streaming_fp4_overlap"])
+    assert [v for v, c in comm.items() if c] == ["streaming_fp4_overlap", "streaming_fp4_overlap_tau5"]
+    assert cfgs["streaming_fp4_overlap_tau5"].tau == 5
+    s = cfgs["streaming_fp4_overlap"]
+    assert (s.method, s.codec, s.tau, s.layers_per_fragment, s.H, s.batch_size // s.replicas, s.seq_len) == \
+        ("streaming", "e3m0", 1, 3, 20, 8, 64)
+    d = cfgs["diloco"]
+    assert (d.method, d.fragments, d.tau, d.codec) == ("streaming", 1, 0, "bf16")
+    assert cfgs["dp"].method == "dp" and cfgs["dp"].batch_size == 16
+
+
+def test_netbench_timeline_reports_each_rank(tmp_path, capsys):
+    from diloco import netbench
+
+    (tmp_path / "timeline").mkdir()
+    rows = [{"kind": "step", "step": 1, "start": 0.0, "end": 1.0, "t": 1.0},
+            {"kind": "step", "step": 2, "start": 1.0, "end": 1.5, "t": 1.5},
+            {"kind": "step", "step": 3, "start": 2.0, "end": 2.5, "t": 2.5}]
+    (tmp_path / "timeline" / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert netbench.main(["timeline", str(tmp_path), "--warmup", "1"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip())
+    assert rep["rank"] == "rank0" and rep["cu"] == pytest.approx(1.0 / 1.5) and rep["steps_measured"] == 2
+    assert netbench.main(["timeline", str(tmp_path / "nothing")]) == 2

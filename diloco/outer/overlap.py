@@ -170,25 +170,30 @@ def read_timeline(path: os.PathLike) -> list[dict]:
     return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
 
-def overlap_report(rows: list[dict]) -> dict:
+def overlap_report(rows: list[dict], warmup_steps: int = 0) -> dict:
     """Compute utilisation and overlap evidence from one rank's timeline.
 
-    cu = Σ inner-step time / wall time from the first exchange to the last step; `overlapped` counts
-    exchanges that completed after the next inner step had started (they ran beside compute), out of
-    the `checkable` ones (completed, with a next step in the timeline)."""
+    cu = Σ inner-step time / wall time over the steps after `warmup_steps` (wall: from the end of
+    step `warmup_steps`, or of the first send when 0, to the end of the last step); `overlapped`
+    counts exchanges that completed after the next inner step had started (they ran beside
+    compute), out of the `checkable` ones (completed, with a next step in the timeline)."""
     steps = {r["step"]: r for r in rows if r["kind"] == "step"}
     starts = [r for r in rows if r["kind"] == "exchange_start"]
     ends = {(r["step"], r["fragment"]): r["t"] for r in rows if r["kind"] == "exchange_end"}
     waits = [r["waited_s"] for r in rows if r["kind"] == "apply_wait"]
-    if not steps or not starts:
-        return {"exchanges": len(starts)}
-    first = min(r["step"] for r in starts)
-    window = [s for k, s in steps.items() if k > first]
-    wall = max(s["end"] for s in window) - steps[first]["end"] if window else 0.0
-    compute = sum(s["end"] - s["start"] for s in window)
     checkable = [r for r in starts if (r["step"], r["fragment"]) in ends and r["step"] + 1 in steps]
     overlapped = sum(1 for r in checkable if ends[(r["step"], r["fragment"])] > steps[r["step"] + 1]["start"])
-    return {"exchanges": len(starts), "completed": len(ends), "checkable": len(checkable), "overlapped": overlapped,
-            "cu": compute / wall if wall > 0 else None, "apply_wait_s": float(np.sum(waits)) if waits else 0.0,
-            "max_apply_wait_s": float(np.max(waits)) if waits else 0.0, "steps_measured": len(window),
-            "median_step_s": float(np.median([s["end"] - s["start"] for s in window])) if window else None}
+    out = {"exchanges": len(starts), "completed": len(ends), "checkable": len(checkable), "overlapped": overlapped,
+           "apply_wait_s": float(np.sum(waits)) if waits else 0.0,
+           "max_apply_wait_s": float(np.max(waits)) if waits else 0.0}
+    first = warmup_steps or min((r["step"] for r in starts), default=None)
+    if first is None or first not in steps:
+        return out
+    window = [s for k, s in steps.items() if k > first]
+    if not window:
+        return out
+    wall = max(s["end"] for s in window) - steps[first]["end"]
+    durs = [s["end"] - s["start"] for s in window]
+    out.update(cu=sum(durs) / wall if wall > 0 else None, wall_s=wall, compute_s=sum(durs),
+               steps_measured=len(window), median_step_s=float(np.median(durs)))
+    return out
