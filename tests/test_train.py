@@ -214,3 +214,44 @@ print("OK")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     assert "'replica': 2, 'data': 4" in r.stdout
+
+
+def test_overlapped_exchange_on_comm_devices_gives_the_blocking_numbers():
+    """Exchanges on separate comm devices (4 fake CPU devices: 2 compute, 2 comm), landed at the
+    apply, give bit-identical states to the blocking send; landing early (before a checkpoint) too;
+    the finiteness check runs when the average lands (apply), naming the send step."""
+    script = r"""
+import jax, numpy as np, sys
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+from diloco.train import Trainer
+cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, codec="e3m0", batch_size=8)
+rng = np.random.default_rng(0)
+bs = [rng.integers(2, 200, size=(8, 32), dtype=np.int32) for _ in range(10)]
+d = jax.devices()
+def run(comm, settle_at=()):
+    tr = Trainer(cfg, "/tmp/unused", need_data=False, devices=d[:2], comm_devices=comm)
+    st = tr.fresh_state(); inner = tr.inner_step_fn(); checks = []
+    chk = lambda s, p, ts, f: checks.append((t, p, ts))
+    for t, b in enumerate(bs, 1):
+        st, _, _ = inner(st, jax.device_put(b.reshape(2, 4, 32), tr.batch_sharding))
+        st, _ = tr.run_syncs(st, t, check=chk)
+        if t in settle_at:
+            st = tr.settle(st, chk)
+    return tr, jax.tree_util.tree_map(np.asarray, st), checks
+t0, a, ca = run(None)
+t1, b, cb = run(d[2:])
+t2, c, cc = run(d[2:], settle_at=(4, 8))
+assert t0.overlap is None and t1.overlap is not None
+for x, y, z in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
+    np.testing.assert_array_equal(x, y); np.testing.assert_array_equal(x, z)
+print("blocking", ca); print("overlap", cb); print("settled", cc)
+assert len(ca) >= 4 and all(t == ts for t, p, ts in ca)  # checked right after the send
+assert all(t == ts + 1 for t, p, ts in cb)        # checked at the apply, tau = 1 later
+assert [(p, ts) for _, p, ts in ca] == [(p, ts) for _, p, ts in cb] == [(p, ts) for _, p, ts in cc]
+assert any(t == ts for t, p, ts in cc)            # settle() landed one before its apply
+print("OK")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

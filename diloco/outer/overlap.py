@@ -33,14 +33,21 @@ class InFlight:
 
 
 def overlap_unsupported(mesh, comm_devices) -> str | None:
-    """Why the overlapped path cannot serve this mesh (None: it can)."""
+    """Why the overlapped path cannot serve this mesh (None: it can).
+
+    comm_devices[i] serves replica row i of the mesh and must be on the same process."""
     if not comm_devices:
         return "no comm device (diloco launch --comm_device)"
     if mesh.shape["data"] != 1:
         return f"the mesh has a data axis of {mesh.shape['data']}; the overlapped exchange needs data = 1"
-    procs = [d.process_index for d in mesh.devices[:, 0]]
-    if sorted(procs) != sorted({d.process_index for d in comm_devices}):
-        return "every replica row must live on a different process that has a comm device"
+    rows = list(mesh.devices[:, 0])
+    if len(comm_devices) != len(rows):
+        return f"{len(comm_devices)} comm devices for {len(rows)} replica rows; one each is needed"
+    if set(comm_devices) & set(mesh.devices.flat):
+        return "the comm devices must not be compute devices of the mesh"
+    for i, (r, c) in enumerate(zip(rows, comm_devices)):
+        if r.process_index != c.process_index:
+            return f"comm device {i} is on process {c.process_index}, replica row {i} on {r.process_index}"
     return None
 
 
@@ -54,15 +61,13 @@ class OverlappedExchange:
         why = overlap_unsupported(mesh, comm_devices)
         if why:
             raise ValueError(why)
-        by_proc = {d.process_index: d for d in comm_devices}
-        rows = [by_proc[d.process_index] for d in mesh.devices[:, 0]]  # comm device of each replica row
         self.jax, self.mesh, self.sync, self.timeline = jax, mesh, sync, timeline
-        self.comm_mesh = Mesh(np.array(rows), ("replica",))
+        self.comm_of = dict(zip(mesh.devices[:, 0], comm_devices))  # compute device of a row → its comm device
+        self.comm_mesh = Mesh(np.array(list(comm_devices)), ("replica",))
         self.xsync = dataclasses.replace(sync, mesh=self.comm_mesh)
         self.rep = NamedSharding(mesh, P("replica"))
         self.repl = NamedSharding(mesh, P())
         self.comm_rep = NamedSharding(self.comm_mesh, P("replica"))
-        self.local_comm = {d.process_index: d for d in rows}[jax.process_index()]
         self.inflight: dict[int, InFlight] = {}
         self._prep: dict[int, Any] = {}
         self._x: dict[int, Any] = {}
@@ -83,7 +88,7 @@ class OverlappedExchange:
     def _to_comm(self, x):
         """A replica-sharded array on the compute mesh → the same rows on the comm mesh."""
         jax = self.jax
-        bufs = [jax.device_put(s.data, self.local_comm) for s in x.addressable_shards]
+        bufs = [jax.device_put(s.data, self.comm_of[s.device]) for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, self.comm_rep, bufs)
 
     def send(self, state, p: int, key, contrib_R, t: int, finite_R=None) -> None:
