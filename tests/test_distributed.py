@@ -162,6 +162,9 @@ def test_overlap_report_from_a_hand_built_timeline():
             {"kind": "exchange_end", "step": 3, "fragment": 1, "t": 3.1},  # before step 4 began
             {"kind": "step", "step": 4, "start": 3.2, "end": 4.0}]
     rep = overlap_report(rows)
+    resumed = [{"kind": "start", "t": 0.0}, {"kind": "step", "step": 1, "start": 50.0, "end": 90.0},
+               {"kind": "start", "t": 0.0}] + rows  # an earlier segment, on another clock, is left out
+    assert overlap_report(resumed) == rep
     # window: steps 2–4 after the first send's step; compute 1.0 + 0.5 + 0.8 over wall 4.0 − 1.0
     assert rep["cu"] == pytest.approx(2.3 / 3.0)
     assert (rep["exchanges"], rep["completed"], rep["checkable"], rep["overlapped"]) == (2, 2, 2, 1)

@@ -181,7 +181,10 @@ def overlap_report(rows: list[dict], warmup_steps: int = 0) -> dict:
     cu = Σ inner-step time / wall time over the steps after `warmup_steps` (wall: from the end of
     step `warmup_steps`, or of the first send when 0, to the end of the last step); `overlapped`
     counts exchanges that completed after the next inner step had started (they ran beside
-    compute), out of the `checkable` ones (completed, with a next step in the timeline)."""
+    compute), out of the `checkable` ones (completed, with a next step in the timeline). A resumed
+    run's timeline holds one segment per start; only the last is reported."""
+    last = max((i for i, r in enumerate(rows) if r["kind"] == "start"), default=0)
+    rows = rows[last:]  # a resumed run appends a segment with its own clock: report the last one
     steps = {r["step"]: r for r in rows if r["kind"] == "step"}
     starts = [r for r in rows if r["kind"] == "exchange_start"]
     ends = {(r["step"], r["fragment"]): r["t"] for r in rows if r["kind"] == "exchange_end"}
