@@ -561,28 +561,9 @@ def train_report(out: Path):
         md.append(f"| {r.variant} | {f(r.measured_mbit_for_90pct)} | {f(r.simulated_mbit_for_90pct)} "
                   f"| {f(r.simulated_at_achieved_mbit_for_90pct)} | {r.distinct_final_params} |")
     atomic_write_text(out / "train_cu.md", "\n".join(md) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9.5, 4.6))
-    for i, (v, sub) in enumerate(df.groupby("variant", sort=False)):
-        ax.plot(sub.rate_mbit, sub.cu, "o-", color=f"C{i}", label=f"{v} (measured, diloco train)")
-        ax.plot(sub.rate_mbit, sub.sim_cu_at_rate, "--", color=f"C{i}", alpha=0.7, label=f"{v} (simulator)")
-        ax.plot(sub.rate_mbit, sub.sim_cu_at_measured_throughput, ":", color=f"C{i}", alpha=0.7,
-                label=f"{v} (simulator at achieved rate)")
-    ax.set_xscale("log")
-    ax.set_xlabel("link rate per replica (tc tbf), Mbit/s")
-    ax.set_ylabel("compute utilisation")
-    ax.axhline(0.9, color="grey", lw=0.5)
-    ax.set_ylim(0, 1.02)
-    ax.set_title("diloco train, 2 replica processes over throttled veth links (toy scale, 2 shared CPU cores)",
-                 fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(out / "train_cu.png", dpi=120)
-    plt.close(fig)
+    _plot_cu(df, "variant", "measured, diloco train", "sim_cu_at_measured_throughput", "simulator at achieved rate",
+             "diloco train, 2 replica processes over throttled veth links (toy scale, 2 shared CPU cores)",
+             out / "train_cu.png")
     print(df[cols].to_string(index=False))
     print(cross.to_string(index=False))
     return df, cross
@@ -779,24 +760,29 @@ def report(out: Path) -> "Any":
 
 
 def _plot(g, path: Path) -> None:
+    _plot_cu(g, "method", "measured", "sim_cu_throughput_and_overhead", "sim., achieved rate + overhead",
+             "toy model, 2 replica processes over throttled veth links (2 shared CPU cores)", path)
+
+
+def _plot_cu(df, key: str, measured: str, dotted: str, dotted_label: str, title: str, path: Path) -> None:
+    """Measured CU (solid), the simulator at the tc rate (dashed) and a second simulator curve (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 4.8))
-    for i, (m, sub) in enumerate(g.groupby("method", sort=False)):
+    for i, (m, sub) in enumerate(df.groupby(key, sort=False)):
         c = f"C{i}"
-        ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} (measured)")
+        ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} ({measured})")
         ax.plot(sub.rate_mbit, sub.sim_cu_at_rate, "--", color=c, alpha=0.7, label=f"{m} (simulator)")
-        ax.plot(sub.rate_mbit, sub.sim_cu_throughput_and_overhead, ":", color=c, alpha=0.7,
-                label=f"{m} (sim., achieved rate + overhead)")
+        ax.plot(sub.rate_mbit, sub[dotted], ":", color=c, alpha=0.7, label=f"{m} ({dotted_label})")
     ax.set_xscale("log")
     ax.set_xlabel("link rate per replica (tc tbf), Mbit/s")
     ax.set_ylabel("compute utilisation")
     ax.axhline(0.9, color="grey", lw=0.5)
     ax.set_ylim(0, 1.02)
-    ax.set_title("toy model, 2 replica processes over throttled veth links (2 shared CPU cores)")
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
