@@ -152,8 +152,12 @@ def spawn(m: int, argv: list[str], port: int, netns: bool = False, comm_device: 
     return procs
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float | None = None) -> int:
-    """Wait for every child; if one fails, stop the others (a collective would hang forever)."""
+def wait_all(procs: list[subprocess.Popen], timeout: float | None = None, grace: float = 10.0,
+             stopping=lambda: False, grace_stopping: float = 300.0) -> int:
+    """Wait for every child; if one fails, stop the others (a collective would hang forever).
+
+    After SIGTERM the others get `grace` seconds before they are killed, or `grace_stopping` when
+    `stopping()` (a requested stop: they are saving a checkpoint together)."""
     deadline = None if timeout is None else time.time() + timeout
     rcs: dict[int, int] = {}
     while len(rcs) < len(procs):
@@ -167,7 +171,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float | None = None) -> int
             for i, p in enumerate(procs):
                 if i not in rcs:
                     try:
-                        rcs[i] = p.wait(10)
+                        rcs[i] = p.wait(grace_stopping if stopping() else grace)
                     except subprocess.TimeoutExpired:
                         p.kill()
                         rcs[i] = p.wait()
@@ -203,7 +207,20 @@ def main(argv: list[str]) -> int:
     port = args.port or (free_port() if not args.netns else 29500 + os.getpid() % 1000)
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
     procs = spawn(args.processes, argv[cut + 1:], port, args.netns, args.comm_device, logdir)
-    rc = wait_all(procs)
+
+    requested = []
+
+    def forward(signum, _):  # preemption / Ctrl-C: every rank saves a checkpoint at the same step and exits
+        requested.append(signum)
+        print(f"diloco launch: {signal.Signals(signum).name}: asking every process to checkpoint and stop",
+              file=sys.stderr)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    rc = wait_all(procs, stopping=lambda: bool(requested))
     if rc and args.processes > 1:
         print(f"diloco launch: a process failed (rc={rc}); logs of ranks ≥ 1 are in {logdir}", file=sys.stderr)
     return rc

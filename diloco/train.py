@@ -366,9 +366,15 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
 
     window: list[tuple[int, Any, Any]] = []  # (t, ce_R, finite_R) on device, since the last flush
 
-    def flush():
-        """Fold the window's per-replica losses into `losses` (one gather across processes)."""
-        for t_, ce, fin in _gather_window(window):
+    multi = dist.num_processes() > 1
+
+    def flush(agree: bool = False) -> bool:
+        """Fold the window's per-replica losses into `losses` (one gather across processes).
+
+        With `agree` (log rows, which every process reaches at the same step) the processes also
+        share whether any of them got a stop signal; returns True if one did."""
+        rows, any_stop = _gather_window(window, tr, bool(stop["signal"]) if agree else None)
+        for t_, ce, fin in rows:
             if fin.all():
                 losses.append(float(ce.mean()))
                 continue
@@ -382,6 +388,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             print(f"step {t_}: non-finite loss/gradient on replica(s) {bad}; batch skipped "
                   "(faults.nan_policy=skip)", file=sys.stderr)
         window.clear()
+        return any_stop
 
     def save(step, st):
         flush()
@@ -415,8 +422,9 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
             if faults.nan_policy != "skip" and not all(fin_local.values()):
                 flush()  # raises with every replica's loss
             log_due = t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t == cfg.steps
+            peer_stop = False
             if log_due:  # gather the losses before this step's sends: behind a fragment in flight it would wait
-                flush()
+                peer_stop = flush(agree=multi)
             if tr.sync is not None:
                 if faults.restart_replica >= 0 and t == faults.restart_step:
                     state = _restart_replica(tr, state, faults.restart_replica)
@@ -464,7 +472,11 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
                 state = save(t, state)
             if stop_after is not None and t == stop_after:
                 stop["signal"] = "SIGTERM"
-            if stop["signal"]:
+            # One process alone cannot stop: the others would wait in the next collective (and orbax
+            # saves together). Processes agree at the next log row, which all of them reach.
+            stopping = (stop["signal"] or "a stop signal to another process") if peer_stop else None
+            if stopping if multi else stop["signal"]:
+                stop["signal"] = stop["signal"] or stopping
                 if t not in ck.steps():  # a checkpoint step already saved this state
                     state = save(t, state)
                 bar.close()
@@ -616,17 +628,29 @@ def _restart_replica(tr: Trainer, state, m: int):
     return {**state, "params": params, "opt": opt}
 
 
-def _gather_window(window: list) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """[(t, ce_R, finite_R)] as host values; across processes, one all-gather for the whole window."""
-    if not window:
-        return []
+def _gather_window(window: list, tr=None, stop_local: bool | None = None):
+    """([(t, ce_R, finite_R)] as host values, whether any process is stopping).
+
+    Across processes: one all-gather for the whole window, and with `stop_local` not None one
+    more for every process's stop flag."""
     from diloco import distributed as dist
 
     if dist.num_processes() <= 1:
-        return [(t, np.asarray(ce), np.asarray(fin)) for t, ce, fin in window]
-    ce_W, fin_W = _stack_window()([w[1] for w in window], [w[2] for w in window])
-    ce_W, fin_W = dist.to_host(ce_W), dist.to_host(fin_W)
-    return [(t, ce_W[i], fin_W[i]) for i, (t, _, _) in enumerate(window)]
+        return [(t, np.asarray(ce), np.asarray(fin)) for t, ce, fin in window], bool(stop_local)
+    rows = []
+    if window:
+        ce_W, fin_W = _stack_window()([w[1] for w in window], [w[2] for w in window])
+        ce_W, fin_W = dist.to_host(ce_W), dist.to_host(fin_W)
+        rows = [(t, ce_W[i], fin_W[i]) for i, (t, _, _) in enumerate(window)]
+    if stop_local is None:
+        return rows, False
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = tr.mesh.devices.size  # one slot per device; each process fills its own devices' slots
+    flags = jax.make_array_from_callback((n,), NamedSharding(tr.mesh, P(("replica", "data"))),
+                                         lambda idx: np.full(np.empty(n)[idx].shape, stop_local, bool))
+    return rows, bool(dist.to_host(flags).any())
 
 
 @functools.cache

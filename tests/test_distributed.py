@@ -88,6 +88,43 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
             assert rep["exchanges"] == 0
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_every_process_and_the_rerun_resumes(tmp_path):
+    """Preempting a 2-process overlapped run: the ranks agree on one step, save there together and
+    exit 130; the same command resumes and logs exactly the numbers of an uninterrupted run."""
+    import re
+    import signal
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    steps = [*TINY, "--config.steps=300", "--config.eval_every=100"]
+    r1 = _run(["launch", "--processes", "2", "--comm_device", "--logdir", str(tmp_path / "logs0"), "--", "train",
+               "--config", "experiments/toy.py:streaming", "--workdir", str(one), *steps])
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    launch = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "2", "--comm_device", "--logdir",
+              str(tmp_path / "logs"), "--", "train", "--config", "experiments/toy.py:streaming", "--workdir",
+              str(two), *steps]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen(launch, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = two / "metrics.jsonl", time.time() + 300
+    while p.poll() is None and time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=400)
+    assert p.returncode == 130, err[-3000:]
+    saved = int(re.search(r"saved a checkpoint at step (\d+)", err).group(1))
+    assert 2 <= saved < 300 and saved % 2 == 0  # at a log row, where the ranks agree
+    assert f"saved a checkpoint at step {saved}" in (tmp_path / "logs" / "rank1.log").read_text()
+    r2 = _run(["launch", "--processes", "2", "--comm_device", "--logdir", str(tmp_path / "logs2"), "--", "train",
+               "--config", "experiments/toy.py:streaming", "--workdir", str(two), *steps])
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert f"resumed {two} at step {saved}" in r2.stderr
+    keys = ("step", "train_loss", "eval_loss", "bytes_exchanged")
+    assert [{k: r.get(k) for k in keys} for r in _rows(one)] == [{k: r.get(k) for k in keys} for r in _rows(two)]
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert s1["params_sha256"] == s2["params_sha256"]
+
+
 def _netns_usable() -> str | None:
     if os.geteuid() != 0:
         return "needs root for ip netns / tc"
