@@ -441,7 +441,7 @@ def train_args(variant: str, steps: int, H: int, workdir: Path) -> tuple[list[st
 def _payload_bytes(summary: dict, n_params: int) -> list[int]:
     from diloco.outer.codecs import encoded_nbytes, make_codec
 
-    if summary["method"] == "dp":  # GSPMD all-reduces the fp32 gradients inside the jitted step
+    if summary["method"] == "dp":  # the jitted step all-reduces the fp32 gradients as one flat vector
         return [4 * n_params]
     codec = make_codec(summary["codec"], 256)
     return [encoded_nbytes(codec, n) for n in summary["fragment_sizes"]]

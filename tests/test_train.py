@@ -208,6 +208,21 @@ for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
 for leaf in jax.tree_util.tree_leaves(b["outer"]):
     shards = [np.asarray(s.data) for s in leaf.addressable_shards]
     assert all(np.array_equal(shards[0], s) for s in shards[1:])
+# DP on (replica=1, data=8): the flat token-weighted gradient all-reduce gives the 1-device step,
+# also with padding (token 0) spread unevenly over the data shards
+dp = tiny_config("dp", batch_size=16)
+bs[0][:5, 10:] = 0
+out = []
+for devs in (jax.devices()[:1], jax.devices()):
+    tr = Trainer(dp, "/tmp/unused", need_data=False, devices=devs)
+    st = tr.fresh_state(); inner = tr.inner_step_fn(); ces = []
+    for b_ in bs[:4]:
+        st, ce, _ = inner(st, jax.device_put(b_.reshape(1, 16, 32), tr.batch_sharding)); ces.append(float(ce[0]))
+    out.append((st, ces))
+    print("mesh", dict(tr.mesh.shape))
+np.testing.assert_allclose(out[0][1], out[1][1], rtol=2e-6)
+for x, y in zip(jax.tree_util.tree_leaves(out[0][0]), jax.tree_util.tree_leaves(out[1][0])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 print("OK")
 """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TF_CPP_MIN_LOG_LEVEL="3")
