@@ -619,6 +619,10 @@ def main(argv: list[str]) -> int:
     if args.cmd == "hlo":
         print(json.dumps(combined_step_collectives(Path(args.out) if args.out else None)))
         return 0
+    if args.cmd in ("sweep", "trainsweep") and os.geteuid() != 0:
+        print(f"diloco netbench {args.cmd}: needs root to shape links (scripts/netns.sh: ip netns, tc); "
+              "run it with sudo", file=sys.stderr)
+        return 2
     if args.cmd == "trainsweep":
         bad = [v for v in args.variants.split(",") if v not in TRAIN_VARIANTS]
         if bad:

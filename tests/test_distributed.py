@@ -275,3 +275,12 @@ def test_netbench_timeline_reports_each_rank(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out.strip())
     assert rep["rank"] == "rank0" and rep["cu"] == pytest.approx(1.0 / 1.5) and rep["steps_measured"] == 2
     assert netbench.main(["timeline", str(tmp_path / "nothing")]) == 2
+
+
+def test_sweeps_need_root_and_say_so(monkeypatch, capsys):
+    from diloco import netbench
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    for cmd in ("sweep", "trainsweep"):
+        assert netbench.main([cmd]) == 2
+        assert "needs root" in capsys.readouterr().err
