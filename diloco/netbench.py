@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from diloco import distributed as dist
+from diloco.outer.overlap import Timeline
 
 METHODS = ("dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
 # method -> (spec overrides of experiments/toy.py:streaming for the DiLoCo family, codec)
@@ -106,25 +106,6 @@ def throughput(mb: float, repeats: int = 5) -> dict:
 
 
 # -- compute utilisation -------------------------------------------------------------------------------
-class Events:
-    """Wall-clock events of one process, relative to t0 (steps, exchange start/end, apply waits)."""
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.rows: list[dict] = []
-        self.lock = threading.Lock()
-
-    def add(self, kind: str, **kw) -> float:
-        now = time.perf_counter()
-        with self.lock:
-            self.rows.append({"kind": kind, "t": now - self.t0, **kw})
-        return now
-
-    def watch(self, x, **kw) -> None:
-        """Record when `x` becomes ready, from a thread (never blocks the loop)."""
-        threading.Thread(target=lambda: (x.block_until_ready(), self.add("exchange_end", **kw)), daemon=True).start()
-
-
 def _toy_cfg(method: str, scale: str, H: int, batch: int, seq_len: int, steps: int):
     from diloco.config import load_config
 
@@ -190,7 +171,7 @@ class FamilyLoop:
         f = self.tr.sync.frags
         return f.flatten(outer["params"], p)[None] - self.jax.vmap(lambda t: f.flatten(t, p))(params_R)
 
-    def send(self, state, t: int, p: int, ev: Events):
+    def send(self, state, t: int, p: int, ev: Timeline):
         jax, jnp = self.jax, self.jnp
         d = self.delta[p](state["params"], state["outer"])
         if not self.exchange:
@@ -201,10 +182,10 @@ class FamilyLoop:
                 stack_local(jnp.ones((1,), jnp.float32), self.mesh))
         ev.add("exchange_start", step=t, fragment=p)
         out = self.xfn[p](*args)
-        ev.watch(out, step=t, fragment=p)
+        ev.watch(out, "exchange_end", step=t, fragment=p)
         self.pending[p] = out
 
-    def apply(self, state, t: int, p: int, ev: Events):
+    def apply(self, state, t: int, p: int, ev: Timeline):
         avg = self.pending.pop(p)
         if self.exchange:
             w0 = time.perf_counter()
@@ -220,14 +201,14 @@ class FamilyLoop:
         """Compile every jitted piece (and run each exchange once) outside the timed window."""
         jax, tr, P = self.jax, self.tr, self.tr.sync.frags.P
         state, _, _ = self.inner(tr.fresh_state(), jax.device_put(batch, tr.batch_sharding))
-        ev = Events()
+        ev = Timeline()
         for p in range(P):
             self.send(state, 0, p, ev)
             state = self.apply(state, 0, p, ev)
             state = tr._sync_fn("merge", p)(state, self.jnp.ones((1,), bool))
         jax.block_until_ready(state)
 
-    def run(self, batches: list[np.ndarray], warmup: int, ev: Events) -> float:
+    def run(self, batches: list[np.ndarray], warmup: int, ev: Timeline) -> float:
         """Wall seconds of the steps after `warmup` (which fill the pipeline)."""
         jax, tr = self.jax, self.tr
         self.precompile(batches[0])
@@ -291,7 +272,7 @@ class DPLoop:
 
         self.grad, self.apply = jax.jit(grad), jax.jit(apply, donate_argnums=(0, 1))
 
-    def run(self, batches: list[np.ndarray], warmup: int, ev: Events) -> float:
+    def run(self, batches: list[np.ndarray], warmup: int, ev: Timeline) -> float:
         jax, jnp = self.jax, self.jax.numpy
         if self.exchange:  # compile and run the exchange once outside the timed window
             z = jnp.zeros((1, self.n), jnp.float32)
@@ -352,7 +333,7 @@ def measure_cu(method: str, scale: str = "toy", H: int = 20, batch: int = 8, seq
     loop = make_loop(method, scale, H, batch, seq_len, steps + warmup, True)
     for exchange in (False, True) if reference else (True,):
         loop.exchange = exchange
-        ev = Events()
+        ev = Timeline()
         walls[exchange], comp[exchange] = loop.run(batches, warmup, ev)
         if exchange:
             out["events"], out["t0_monotonic"] = ev.rows, ev.t0  # perf_counter: one clock per machine

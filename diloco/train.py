@@ -522,7 +522,6 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
                 print(msg, file=sys.stderr)
                 raise KeyboardInterrupt(msg)
         bar.close()
-        state = tr.settle(state, check)
         if not ck.steps() or max(ck.steps()) != cfg.steps:
             state = save(cfg.steps, state)
     finally:

@@ -137,22 +137,28 @@ class OverlappedExchange:
 
 
 class Timeline:
-    """Per-process wall-clock events (inner steps, exchange start/end, apply waits) → JSONL.
+    """Per-process wall-clock events (inner steps, exchange start/end, apply waits).
 
-    Times are seconds on this process's monotonic clock since `t0`; `t0_monotonic` in the first
-    line lets one put the ranks of one machine on one axis."""
+    Times are seconds on this process's perf_counter clock since `t0`. With a `path` the events go
+    to a JSONL file whose first line holds `t0_monotonic` (to put the ranks of one machine on one
+    axis); without one they are kept in `rows`."""
 
-    def __init__(self, path: os.PathLike, rank: int, resume: bool = False):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: os.PathLike | None = None, rank: int = 0, resume: bool = False):
         self.t0 = time.perf_counter()
         self.lock = threading.Lock()
-        self.f = open(self.path, "a" if resume else "w")
-        self._write({"kind": "start", "rank": rank, "t0_monotonic": time.monotonic(), "t": 0.0})
+        self.rows: list[dict] = []
+        self.f = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "a" if resume else "w")
+            self._write({"kind": "start", "rank": rank, "t0_monotonic": time.monotonic(), "t": 0.0})
 
     def _write(self, row: dict) -> None:
         with self.lock:
-            self.f.write(json.dumps(row) + "\n")
+            if self.f is None:
+                self.rows.append(row)
+            elif not self.f.closed:  # a watcher thread may finish after the run closed the file
+                self.f.write(json.dumps(row) + "\n")
 
     def add(self, kind: str, **kw) -> float:
         now = time.perf_counter()
@@ -168,7 +174,8 @@ class Timeline:
 
     def close(self) -> None:
         with self.lock:
-            self.f.close()
+            if self.f is not None:
+                self.f.close()
 
 
 def read_timeline(path: os.PathLike) -> list[dict]:
