@@ -650,6 +650,7 @@ def main(argv: list[str]) -> int:
             if args.out and not dist.is_primary():  # every rank's timeline, for the replicas' skew
                 import jax
 
+                Path(args.out).mkdir(parents=True, exist_ok=True)  # rank 0 may not have made it yet
                 Path(f"{args.out}/{m}.rank{jax.process_index()}.json").write_text(json.dumps(r))
     return 0
 
