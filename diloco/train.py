@@ -115,13 +115,12 @@ class Trainer:
         # steps, and are waited for only at their apply (diloco/outer/overlap.py).
         self.overlap = None
         if self.sync is not None and comm_devices:
-            from diloco.outer.overlap import OverlappedExchange, overlap_unsupported
+            from diloco.outer.overlap import OverlappedExchange
 
-            why = overlap_unsupported(self.mesh, comm_devices)
-            if why:
-                print(f"diloco train: exchanges will not overlap the inner steps: {why}", file=sys.stderr)
-            else:
+            try:
                 self.overlap = OverlappedExchange(self.sync, self.mesh, comm_devices, timeline)
+            except ValueError as why:  # this mesh cannot use the comm devices: blocking sends
+                print(f"diloco train: exchanges will not overlap the inner steps: {why}", file=sys.stderr)
         self._jit_cache: dict[Any, Any] = {}
 
     # -- state --------------------------------------------------------------------------------------

@@ -258,6 +258,8 @@ t0, a, ca = run(None)
 t1, b, cb = run(d[2:])
 t2, c, cc = run(d[2:], settle_at=(4, 8))
 assert t0.overlap is None and t1.overlap is not None
+# comm devices that are also compute devices: the trainer says so and falls back to blocking sends
+assert Trainer(cfg, "/tmp/unused", need_data=False, devices=d[:2], comm_devices=d[1:3]).overlap is None
 for x, y, z in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
     np.testing.assert_array_equal(x, y); np.testing.assert_array_equal(x, z)
 print("blocking", ca); print("overlap", cb); print("settled", cc)
