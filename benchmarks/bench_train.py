@@ -49,12 +49,12 @@ def run_one(method: str, scale: str, steps: int, H: int, seq_len: int, batch: in
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from diloco.config import load_config
-    from diloco.train import Trainer
+    from diloco.trainer import Trainer
 
     kw = {k: (H if v is None else v) for k, v in METHODS[method].items()}
     kw.update(scale=scale, seq_len=seq_len, batch_size=batch, steps=steps + 2 * H)
     cfg = load_config(f"experiments/toy.py:{method}", [f"--config.{k}={v}" for k, v in kw.items()])
-    tr = Trainer(cfg, "/tmp/diloco-bench-unused", need_data=False)
+    tr = Trainer(cfg)
     state = tr.fresh_state()
     inner = tr.inner_step_fn()
     rng = np.random.default_rng(0)
@@ -64,7 +64,7 @@ def run_one(method: str, scale: str, steps: int, H: int, seq_len: int, batch: in
     for _ in range(2 * H + 2):  # warm-up: every fragment sends and applies once (compiles them all)
         t += 1
         state, ce, _ = inner(state, toks[t % 8])
-        state, _ = tr.run_syncs(state, t)
+        state, _ = tr.driver.after_step(state, t)
     jax.block_until_ready(state)
     syncs, t_sync = 0, 0.0
     t0 = time.perf_counter()
@@ -73,7 +73,7 @@ def run_one(method: str, scale: str, steps: int, H: int, seq_len: int, batch: in
         state, ce, _ = inner(state, toks[t % 8])
         float(ce[0])  # the loop reads the loss every step, as train() does (this also ends the step)
         ts = time.perf_counter()
-        state, sent = tr.run_syncs(state, t)
+        state, sent = tr.driver.after_step(state, t)
         if sent or (tr.schedule and tr.schedule.applies(t)):
             jax.block_until_ready(state)
         t_sync += time.perf_counter() - ts

@@ -1,43 +1,12 @@
-"""Orbax checkpoints of the whole training state (+ a JSON sidecar for the data position and
-counters), atomic run records, and loading the outer parameters of a run for evaluation."""
+"""Orbax checkpoints of the whole training state, with a JSON sidecar for the data position, the
+counters and a checksum of every array. The directory may be local or `gs://…` (an epath)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
-import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Any
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file in the same directory + os.replace: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=_json_default) + "\n")
-
-
-def _json_default(x):
-    import numpy as np
-
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
 def state_checksum(state) -> list[int]:
@@ -68,13 +37,15 @@ def _checksum_fn():
 
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints under workdir/ckpt; restores the newest readable one."""
+    """Keeps the last `keep` checkpoints in `directory` (a run's ckpt/); restores the newest readable one."""
 
-    def __init__(self, workdir: str | os.PathLike, keep: int = 2):
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
         import orbax.checkpoint as ocp
 
+        from diloco.rundir import path
+
         self._ocp = ocp
-        self.dir = Path(workdir).resolve() / "ckpt"
+        self.dir = path(directory)
         self.mngr = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                            enable_async_checkpointing=False))
@@ -117,25 +88,9 @@ class Checkpointer:
         if jax.process_index() == 0:
             aside = self.dir.parent / "ckpt_corrupt" / f"{step}-{int(time.time())}"
             aside.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self.dir / str(step), aside)
+            (self.dir / str(step)).rename(aside)
             warnings.warn(f"moved the unreadable checkpoint to {aside}")
         self.mngr.reload()
 
     def close(self) -> None:
         self.mngr.close()
-
-
-def load_eval_params(workdir: str | os.PathLike):
-    """(config, model, outer params, vocab) of the newest checkpoint of a run."""
-    import ml_collections
-
-    from diloco.train import Trainer
-
-    workdir = Path(workdir)
-    cfg_path = workdir / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a diloco run directory?")
-    cfg = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))
-    trainer = Trainer(cfg, workdir, need_data=False)
-    step, state = trainer.restore_or_init(restore_only=True)
-    return cfg, trainer.model, trainer.eval_params(state), trainer.vocab

@@ -11,7 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow (under seqio/tf
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("diloco.train", "train one run: --config experiments/toy.py:streaming --workdir DIR"),
     "sizes": ("diloco.model.scales", "every model scale with its exact parameter count"),
-    "fragments": ("diloco.outer.fragments", "which parameter goes to which fragment (and sizes)"),
+    "fragments": ("diloco.fragments_cli", "which parameter goes to which fragment (and sizes)"),
     "bytes": ("diloco.outer.bytes_calc", "analytic bytes-exchanged calculator (paper Table 1)"),
     "simulate": ("diloco.simulate.cli", "compute-utilisation simulator (paper Table 4)"),
     "eval": ("diloco.eval.cli", "downstream HellaSwag / PIQA / ARC accuracy of a run"),

@@ -120,7 +120,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
     _one_of(cfg, "faults.nan_policy", ("stop", "skip"))
     _validate_faults(cfg)
     if cfg.method != "dp":
-        from diloco.outer.codecs import make_codec
+        from diloco.outer.codecs import codec_from_config
         from diloco.outer.fragments import num_fragments, PATTERNS
         from diloco.outer.schedule import make_schedule
 
@@ -129,7 +129,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
             raise ConfigError("method", "diloco is P=1, tau=0; for fragments or overlap use method=streaming")
         P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
         make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
-        make_codec(cfg.codec, cfg.codec_block_size, cfg.codec_rounding, **_keep(cfg))
+        codec_from_config(cfg)
     n_dev = num_devices
     if n_dev is not None:
         r_axis = replica_axis_size(cfg, n_dev)
@@ -184,10 +184,6 @@ def _validate_faults(cfg) -> None:
             raise ConfigError(f"faults.{k}", f"{f[k]} must be -1 (off) or a replica index in 0..{R - 1}")
         if f[step] < 1:
             raise ConfigError(f"faults.{step}", f"set faults.{step} ≥ 1: the step at which replica {f[k]} faults")
-
-
-def _keep(cfg) -> dict:
-    return {"keep_fraction": cfg.codec_keep_fraction} if cfg.codec in ("topk", "dropout", "dare") else {}
 
 
 def replica_axis_size(cfg, n_dev: int) -> int:

@@ -167,7 +167,7 @@ def markdown(df: pd.DataFrame) -> str:
 
 
 def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str = "") -> None:
-    from diloco.checkpoint import atomic_write_text
+    from diloco.rundir import atomic_write_text
 
     atomic_write_text(out / f"{name}.csv", df.to_csv(index=False))
     atomic_write_text(out / f"{name}.md", f"# {title}\n\n{notes.strip()}\n\n{markdown(df)}")
@@ -303,20 +303,17 @@ def which_params_eval(workdir: str) -> dict:
     if cached:
         return cached
     import jax
-    import ml_collections
 
-    from diloco.checkpoint import atomic_write_json
     from diloco.data import eval_batches
-    from diloco.train import Trainer
+    from diloco.rundir import atomic_write_json
+    from diloco.trainer import load_run
 
-    cfg = ml_collections.ConfigDict(json.loads((wd / "config.json").read_text()))
-    tr = Trainer(cfg, wd)
-    _, state = tr.restore_or_init(restore_only=True)
+    cfg, tr, state = load_run(wd)
     evals = eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R, cfg.eval_batches,
                          data_dir=cfg.data_dir or None)
     ev = tr.eval_fn()
-    sets = {"first_replica": jax.tree_util.tree_map(lambda x: x[0], state["params"]),
-            "replica_average": jax.tree_util.tree_map(lambda x: x.mean(0), state["params"]),
+    sets = {"first_replica": jax.tree_util.tree_map(lambda x: x[0], state.params),
+            "replica_average": jax.tree_util.tree_map(lambda x: x.mean(0), state.params),
             "outer_params": tr.eval_params(state)}
     res = {k: float(np.mean([float(ev(p, b)) for b in evals])) for k, p in sets.items()}
     atomic_write_json(wd / "which_params.json", res)
@@ -440,8 +437,8 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
         rest = [c for c in axes if c != x and t[c].nunique() > 1]
         groups = t.groupby(rest, sort=False) if rest else [("", t)]
         for key, g in groups:
-            g = g.assign(_x=pd.to_numeric(g[x])).sort_values("_x")
-            ax.plot(g._x, g.eval_loss, "o-", label=", ".join(f"{c}={k}" for c, k in
+            g = g.assign(x_num=pd.to_numeric(g[x])).sort_values("x_num")
+            ax.plot(g.x_num, g.eval_loss, "o-", label=", ".join(f"{c}={k}" for c, k in
                                                                zip(rest, key if isinstance(key, tuple) else (key,))) or None)
         ax.set_xlabel(x)
         xs = pd.to_numeric(t[x])
@@ -475,7 +472,7 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
         raise ConfigError("--root", f"no run records (config.json) under {root}")
     out.mkdir(parents=True, exist_ok=True)
     ours = df.drop(columns=[c for c in ("command",) if c in df])
-    from diloco.checkpoint import atomic_write_text
+    from diloco.rundir import atomic_write_text
 
     atomic_write_text(out / "runs.csv", ours.to_csv(index=False))
     tables = [("table5_c4_scaling", "[SD] Table 5 — C4 scaling: ours beside the paper", table5,

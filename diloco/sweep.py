@@ -195,7 +195,7 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
               in_process: bool = False, failed_since: float | None = None) -> dict:
     """Run one point to completion (a subprocess, or this process with in_process=True, main thread
     only). Returns a result row (status done|skipped|locked|failed)."""
-    from diloco.checkpoint import atomic_write_json
+    from diloco.rundir import atomic_write_json
 
     wd = root / sweep["name"] / point["name"]
     row = {"sweep": sweep["name"], "point": point["name"], "workdir": str(wd)}
@@ -312,7 +312,7 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
 def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: list[str], quiet: bool,
               env: dict | None) -> list[dict]:
     """`workers` processes of `diloco sweep --in-process -j 1` over the same points (locks share them)."""
-    from diloco.checkpoint import atomic_write_json
+    from diloco.rundir import atomic_write_json
 
     before = {p["name"]: (root / sweep["name"] / p["name"] / "summary.json").exists() for p in pts}
     names = root / sweep["name"] / f".points.{os.getpid()}.json"

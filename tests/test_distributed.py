@@ -281,6 +281,6 @@ def test_sweeps_need_root_and_say_so(monkeypatch, capsys):
     from diloco import netbench
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    for cmd in ("sweep", "trainsweep"):
+    for cmd in ("sweep",):
         assert netbench.main([cmd]) == 2
         assert "needs root" in capsys.readouterr().err

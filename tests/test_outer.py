@@ -86,7 +86,7 @@ def test_closed_form_trace(P, tau, alpha):
             params_R = sync.merge(params_R, outer, p, jnp.array(mask))
         want_theta, want_glob = ref[t - 1]
         got = names(params_R)
-        for k, v in names(outer["params"]).items():
+        for k, v in names(outer.params).items():
             np.testing.assert_allclose(np.asarray(v), want_glob[k], rtol=1e-5, atol=1e-5, err_msg=f"θ^g {k} t={t}")
         for m in range(2):
             for k, v in got.items():
@@ -102,7 +102,7 @@ def test_hand_computed_diloco_round():
     outer = sync.init(params)
     params_R = {"block_0": {"w": jnp.array([[0.5], [-0.5]])}}
     outer = sync.update(sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2)), 0)
-    assert float(outer["params"]["block_0"]["w"][0]) == 0.0
+    assert float(outer.params["block_0"]["w"][0]) == 0.0
     merged = sync.merge(params_R, outer, 0, jnp.array([True, True]))
     np.testing.assert_array_equal(np.asarray(merged["block_0"]["w"]), [[0.0], [0.0]])
 
@@ -113,7 +113,7 @@ def test_outer_gradient_sign_moves_outer_params_toward_replicas():
     outer = sync.init(params)
     params_R = {"block_0": {"w": jnp.ones((2, 4))}}
     outer = sync.update(sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2)), 0)
-    np.testing.assert_allclose(np.asarray(outer["params"]["block_0"]["w"]), 0.4)
+    np.testing.assert_allclose(np.asarray(outer.params["block_0"]["w"]), 0.4)
 
 
 def test_non_synced_fragment_momentum_untouched():
@@ -124,10 +124,10 @@ def test_non_synced_fragment_momentum_untouched():
     params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x - 1, x - 2]), params)
     outer = sync.update(sync.send(params_R, outer, 1, jax.random.PRNGKey(0), jnp.ones(2)), 1)
     for p in (0, 2):
-        assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree_util.tree_leaves(outer["opt"][p]))
-        np.testing.assert_array_equal(np.asarray(frags.flatten(outer["params"], p)),
+        assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree_util.tree_leaves(outer.opt[p]))
+        np.testing.assert_array_equal(np.asarray(frags.flatten(outer.params, p)),
                                       np.asarray(frags.flatten(params, p)))
-    assert float(jnp.abs(jax.tree_util.tree_leaves(outer["opt"][1])[0]).max()) > 0
+    assert float(jnp.abs(jax.tree_util.tree_leaves(outer.opt[1])[0]).max()) > 0
 
 
 def test_missing_replica_contributes_nothing():
@@ -136,7 +136,7 @@ def test_missing_replica_contributes_nothing():
     outer = sync.init(params)
     params_R = {"block_0": {"w": jnp.array([[1.0] * 3, [5.0] * 3])}}
     outer = sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.array([1.0, 0.0]))
-    np.testing.assert_allclose(np.asarray(outer["pending"][0]), -1.0)  # only replica 0's Δ = 0 − 1
+    np.testing.assert_allclose(np.asarray(outer.pending[0]), -1.0)  # only replica 0's Δ = 0 − 1
 
 
 @pytest.mark.parametrize("pattern,expected", [

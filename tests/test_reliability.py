@@ -21,8 +21,12 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from diloco.checkpoint import Checkpointer, atomic_write_json, state_checksum
-from diloco.train import NumericalFault, Trainer, _fault_contrib, _restart_replica, _truncate_metrics, train
+from diloco.checkpoint import Checkpointer, state_checksum
+from diloco.rundir import atomic_write_json
+from diloco.faults import Faults, NumericalFault
+from diloco.rundir import truncate_jsonl
+from diloco.train import train
+from diloco.trainer import Trainer, load_run
 
 TIMING = ("seconds", "tokens_per_s")  # the only metrics fields allowed to differ between two runs
 
@@ -71,7 +75,7 @@ def small_state(seed: float) -> dict:
 
 
 def saved_run(tmp_path: Path, steps=(3, 6), keep: int = 3) -> tuple[Path, dict]:
-    ck = Checkpointer(tmp_path, keep)
+    ck = Checkpointer(tmp_path / "ckpt", keep)
     for s in steps:
         ck.save(s, small_state(float(s)), {"step": s})
     ck.close()
@@ -79,7 +83,7 @@ def saved_run(tmp_path: Path, steps=(3, 6), keep: int = 3) -> tuple[Path, dict]:
 
 
 def restore(workdir: Path, abstract, quarantine=False, keep: int = 3):
-    ck = Checkpointer(workdir, keep)
+    ck = Checkpointer(workdir / "ckpt", keep)
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter("always")
         got = ck.restore(abstract, quarantine=quarantine)
@@ -109,7 +113,7 @@ def test_flipped_bytes_are_caught_by_the_checksum_not_by_orbax(tmp_path):
     """Orbax reads flipped array bytes back without complaint; only the saved checksum notices."""
     w, abstract = saved_run(tmp_path, steps=(6,))
     flip_bytes(biggest_file(w / "ckpt" / "6" / "state"))
-    ck = Checkpointer(w, 3)
+    ck = Checkpointer(w / "ckpt", 3)
     out = ck.mngr.restore(6, args=ck._ocp.args.Composite(state=ck._ocp.args.StandardRestore(abstract),
                                                          meta=ck._ocp.args.JsonRestore()))
     assert state_checksum(out["state"]) != out["meta"]["state_checksum"]
@@ -155,9 +159,9 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
     p = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "train_loss": 1.0 / s} for s in (2, 4, 6)]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 8, "train_lo')  # SIGKILL mid-write
-    _truncate_metrics(p, 6)
+    truncate_jsonl(p, 6)
     assert [json.loads(l) for l in p.read_text().splitlines()] == rows
-    _truncate_metrics(p, 3)  # rows after the restored step go; they are logged again
+    truncate_jsonl(p, 3)  # rows after the restored step go; they are logged again
     assert [json.loads(l)["step"] for l in p.read_text().splitlines()] == [2]
     assert not list(tmp_path.glob(".*.tmp"))
 
@@ -166,7 +170,7 @@ def test_atomic_json_write_never_shows_a_partial_file(tmp_path):
     """A reader polling while a writer rewrites summary.json only ever sees a complete document."""
     p = tmp_path / "summary.json"
     atomic_write_json(p, {"i": -1, "pad": "x" * 100_000})
-    code = ("import sys; sys.path.insert(0, %r)\nfrom diloco.checkpoint import atomic_write_json\n"
+    code = ("import sys; sys.path.insert(0, %r)\nfrom diloco.rundir import atomic_write_json\n"
             "for i in range(200): atomic_write_json(%r, {'i': i, 'pad': 'x' * 100_000})" % (str(REPO), str(p)))
     writer = subprocess.Popen([sys.executable, "-c", code])
     seen = set()
@@ -236,9 +240,8 @@ def test_non_finite_loss_stops_naming_step_and_replica_and_keeps_last_good_check
         train(cfg, tmp_path, progress=False)
     assert ckpt_steps(tmp_path) == [3]
     assert [r["step"] for r in metric_rows(tmp_path)] == [2, 3, 4]  # flushed, parseable, nothing after
-    tr = Trainer(cfg, tmp_path, need_data=False)
-    step, state = tr.restore_or_init(restore_only=True)
-    assert step == 3 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state))
+    _, _, state = load_run(tmp_path)
+    assert int(state.step) == 3 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state))
 
 
 @pytest.mark.slow
@@ -297,57 +300,57 @@ def trees_differ(a, b) -> bool:
 
 def test_missed_sync_contributes_nothing_and_still_receives_the_average(tmp_path):
     cfg = tiny_config("diloco", H=2, **{"faults.miss_sync_replica": 1, "faults.miss_sync_step": 2})
-    tr = Trainer(cfg, tmp_path, need_data=False)
+    tr = Trainer(cfg)
     inner, st = tr.inner_step_fn(), tr.fresh_state()
     for b in batches(2):
         st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
     before = host(st)
-    garbage = {**before, "params": jax.tree_util.tree_map(lambda x: x.copy(), before["params"])}
-    for x in jax.tree_util.tree_leaves(garbage["params"]):
+    garbage = before.replace(params=jax.tree_util.tree_map(lambda x: x.copy(), before.params))
+    for x in jax.tree_util.tree_leaves(garbage.params):
         x[1] += 1.0  # whatever replica 1 holds must not matter
-    contrib = _fault_contrib(cfg)
-    a, sent = tr.run_syncs(dev(before), 2, contrib=contrib)
-    b, _ = tr.run_syncs(dev(garbage), 2, contrib=contrib)
-    assert_trees_equal(a["outer"]["params"], b["outer"]["params"])
+    contrib = Faults(cfg, tr.R).contrib
+    a, sent = tr.driver.after_step(dev(before), 2, contrib=contrib)
+    b, _ = tr.driver.after_step(dev(garbage), 2, contrib=contrib)
+    assert_trees_equal(a.outer.params, b.outer.params)
     for m in (0, 1):  # α = 0: both replicas, the one that missed included, now hold θ^g
-        assert_trees_equal(replica(a["params"], m), a["outer"]["params"])
+        assert_trees_equal(replica(a.params, m), a.outer.params)
     assert sent == [(0, tr.sync.bytes_per_replica(0))]  # one replica's payload crossed
-    ok, sent_ok = tr.run_syncs(dev(garbage), 2)  # without the fault replica 1 counts
-    assert trees_differ(ok["outer"]["params"], a["outer"]["params"]) and sent_ok[0][1] == 2 * sent[0][1]
+    ok, sent_ok = tr.driver.after_step(dev(garbage), 2)  # without the fault replica 1 counts
+    assert trees_differ(ok.outer.params, a.outer.params) and sent_ok[0][1] == 2 * sent[0][1]
     assert contrib(3, 0).tolist() == [1.0, 0.0] and contrib(4, 0).tolist() == [1.0, 1.0]  # one window of H
 
 
 def test_slower_replica_merges_tau_steps_later(tmp_path):
     cfg = tiny_config("streaming", H=4, layers_per_fragment=3, tau=0, replica_tau="0,2", alpha=0.0, codec="none")
-    tr = Trainer(cfg, tmp_path, need_data=False)
+    tr = Trainer(cfg)
     inner, st, fr = tr.inner_step_fn(), tr.fresh_state(), tr.sync.frags
     seen = []
     for t, b in enumerate(batches(7), 1):
         st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
-        st, _ = tr.run_syncs(st, t)
-        g = np.asarray(fr.flatten(st["outer"]["params"], 0))
-        seen.append([np.array_equal(np.asarray(fr.flatten(replica(st["params"], m), 0)), g) for m in (0, 1)])
+        st, _ = tr.driver.after_step(st, t)
+        g = np.asarray(fr.flatten(st.outer.params, 0))
+        seen.append([np.array_equal(np.asarray(fr.flatten(replica(st.params, m), 0)), g) for m in (0, 1)])
     assert tr.schedule.sends(4) == [0]
     assert seen[3] == [True, False] and seen[4] == [False, False] and seen[5] == [False, True]
 
 
 def test_restarted_replica_starts_from_the_outer_params_with_fresh_optimizer(tmp_path):
-    cfg = tiny_config("diloco", H=3)
-    tr = Trainer(cfg, tmp_path, need_data=False)
+    cfg = tiny_config("diloco", H=3, **{"faults.restart_replica": 1, "faults.restart_step": 2})
+    tr = Trainer(cfg)
     inner, st = tr.inner_step_fn(), tr.fresh_state()
     for b in batches(2):
         st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
     before = host(st)
-    after = host(_restart_replica(tr, dev(before), 1))
-    assert_trees_equal(replica(after["params"], 1), before["outer"]["params"])
-    counts = {jax.tree_util.keystr(k): int(v[1]) for k, v in jax.tree_util.tree_leaves_with_path(after["opt"])
+    after = host(Faults(cfg, tr.R).restart_replica(tr, dev(before)))
+    assert_trees_equal(replica(after.params, 1), before.outer.params)
+    counts = {jax.tree_util.keystr(k): int(v[1]) for k, v in jax.tree_util.tree_leaves_with_path(after.opt)
               if "count" in jax.tree_util.keystr(k)}
     assert sorted(counts.values()) == [0, 2]  # Adam's bias correction restarts; the lr schedule goes on at step 2
-    moments = [v[1] for k, v in jax.tree_util.tree_leaves_with_path(after["opt"]) if "count" not in jax.tree_util.keystr(k)]
+    moments = [v[1] for k, v in jax.tree_util.tree_leaves_with_path(after.opt) if "count" not in jax.tree_util.keystr(k)]
     assert moments and all(not np.any(x) for x in moments)  # fresh first and second moments
-    assert_trees_equal(replica(after["params"], 0), replica(before["params"], 0))
-    assert_trees_equal(replica(after["opt"], 0), replica(before["opt"], 0))
-    assert trees_differ(replica(before["params"], 1), before["outer"]["params"])
+    assert_trees_equal(replica(after.params, 0), replica(before.params, 0))
+    assert_trees_equal(replica(after.opt, 0), replica(before.opt, 0))
+    assert trees_differ(replica(before.params, 1), before.outer.params)
 
 
 @pytest.mark.slow
@@ -357,11 +360,10 @@ def test_training_continues_through_replica_faults_and_replicas_reconverge(tmp_p
     s = train(cfg, tmp_path, progress=False)
     assert np.isfinite(s["final_eval_loss"]) and s["syncs"] == 2
     assert s["bytes_exchanged_total"] == 3 * s["bytes_peak_per_sync"]  # 2 syncs × 2 replicas − 1 missed
-    tr = Trainer(cfg, tmp_path, need_data=False)
-    step, st = tr.restore_or_init(restore_only=True)
-    assert step == 6  # a sync step, α = 0: both replicas hold θ^g again
+    _, _, st = load_run(tmp_path)
+    assert int(st.step) == 6  # a sync step, α = 0: both replicas hold θ^g again
     for m in (0, 1):
-        assert_trees_equal(replica(st["params"], m), st["outer"]["params"])
+        assert_trees_equal(replica(st.params, m), st.outer.params)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,18 +11,20 @@ import pytest
 
 from conftest import REPO, tiny_config
 from diloco.errors import ConfigError
-from diloco.train import Trainer, train
+from diloco.train import train
+from diloco.trainer import Trainer
 
 
 def run_steps(cfg, batches, tmp_path):
     """Drive the trainer's own jitted pieces with given batches; returns (trainer, state, history)."""
-    tr = Trainer(cfg, tmp_path, need_data=False)
+    tr = Trainer(cfg)
     state = tr.fresh_state()
     inner = tr.inner_step_fn()
     hist = []
     for t, b in enumerate(batches, start=1):
         state, _, _ = inner(state, jnp.asarray(b.reshape(tr.R, -1, b.shape[-1])))
-        state, _ = tr.run_syncs(state, t)
+        if tr.driver is not None:  # DP: nothing outer
+            state, _ = tr.driver.after_step(state, t)
         hist.append(jax.tree_util.tree_map(np.asarray, state))
     return tr, state, hist
 
@@ -61,7 +63,7 @@ def test_two_replicas_on_identical_data_equal_one(tmp_path):
                            [np.concatenate([b, b]) for b in half], tmp_path / "b")
     for x, y in zip(leaves(one.eval_params(s1)), leaves(two.eval_params(s2))):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
-    r = leaves(s2["params"])
+    r = leaves(s2.params)
     for x in r:
         np.testing.assert_array_equal(x[0], x[1])
 
@@ -74,9 +76,9 @@ def test_after_every_apply_replicas_hold_the_outer_fragment(tmp_path):
     applied = 0
     for t, st in enumerate(hist, start=1):
         for p in tr.schedule.applies(t):
-            g = np.asarray(fr.flatten(st["outer"]["params"], p))
+            g = np.asarray(fr.flatten(st.outer.params, p))
             for m in range(cfg.replicas):
-                local = np.asarray(fr.flatten(jax.tree_util.tree_map(lambda x: x[m], st["params"]), p))
+                local = np.asarray(fr.flatten(jax.tree_util.tree_map(lambda x: x[m], st.params), p))
                 np.testing.assert_array_equal(local, g)
             applied += 1
     assert applied >= 3
@@ -188,24 +190,24 @@ def test_replica_mesh_on_eight_devices_matches_one_device():
 import jax, jax.numpy as jnp, numpy as np, sys
 sys.path.insert(0, "tests")
 from conftest import tiny_config
-from diloco.train import Trainer
+from diloco.trainer import Trainer
 cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, codec="e3m0", batch_size=16)
 rng = np.random.default_rng(0)
 bs = [rng.integers(2, 200, size=(16, 32), dtype=np.int32) for _ in range(9)]
 out = []
 for devs in (jax.devices()[:1], jax.devices()):
-    tr = Trainer(cfg, "/tmp/unused", need_data=False, devices=devs)
+    tr = Trainer(cfg, devices=devs)
     st = tr.fresh_state(); inner = tr.inner_step_fn()
     for t, b in enumerate(bs, 1):
         st, _, _ = inner(st, jax.device_put(b.reshape(2, 8, 32), tr.batch_sharding))
-        st, _ = tr.run_syncs(st, t)
+        st, _ = tr.driver.after_step(st, t)
     out.append(st)
     print("mesh", dict(tr.mesh.shape))
 a, b = out
 for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 # the replicated outer state is the same on every device
-for leaf in jax.tree_util.tree_leaves(b["outer"]):
+for leaf in jax.tree_util.tree_leaves(b.outer):
     shards = [np.asarray(s.data) for s in leaf.addressable_shards]
     assert all(np.array_equal(shards[0], s) for s in shards[1:])
 # DP on (replica=1, data=8): the flat token-weighted gradient all-reduce gives the 1-device step,
@@ -214,7 +216,7 @@ dp = tiny_config("dp", batch_size=16)
 bs[0][:5, 10:] = 0
 out = []
 for devs in (jax.devices()[:1], jax.devices()):
-    tr = Trainer(dp, "/tmp/unused", need_data=False, devices=devs)
+    tr = Trainer(dp, devices=devs)
     st = tr.fresh_state(); inner = tr.inner_step_fn(); ces = []
     for b_ in bs[:4]:
         st, ce, _ = inner(st, jax.device_put(b_.reshape(1, 16, 32), tr.batch_sharding)); ces.append(float(ce[0]))
@@ -239,27 +241,27 @@ def test_overlapped_exchange_on_comm_devices_gives_the_blocking_numbers():
 import jax, numpy as np, sys
 sys.path.insert(0, "tests")
 from conftest import tiny_config
-from diloco.train import Trainer
+from diloco.trainer import Trainer
 cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, codec="e3m0", batch_size=8)
 rng = np.random.default_rng(0)
 bs = [rng.integers(2, 200, size=(8, 32), dtype=np.int32) for _ in range(10)]
 d = jax.devices()
 def run(comm, settle_at=()):
-    tr = Trainer(cfg, "/tmp/unused", need_data=False, devices=d[:2], comm_devices=comm)
+    tr = Trainer(cfg, devices=d[:2], comm_devices=comm)
     st = tr.fresh_state(); inner = tr.inner_step_fn(); checks = []
     chk = lambda s, p, ts, f: checks.append((t, p, ts))
     for t, b in enumerate(bs, 1):
         st, _, _ = inner(st, jax.device_put(b.reshape(2, 4, 32), tr.batch_sharding))
-        st, _ = tr.run_syncs(st, t, check=chk)
+        st, _ = tr.driver.after_step(st, t, check=chk)
         if t in settle_at:
-            st = tr.settle(st, chk)
+            st = tr.driver.settle(st, chk)
     return tr, jax.tree_util.tree_map(np.asarray, st), checks
 t0, a, ca = run(None)
 t1, b, cb = run(d[2:])
 t2, c, cc = run(d[2:], settle_at=(4, 8))
 assert t0.overlap is None and t1.overlap is not None
 # comm devices that are also compute devices: the trainer says so and falls back to blocking sends
-assert Trainer(cfg, "/tmp/unused", need_data=False, devices=d[:2], comm_devices=d[1:3]).overlap is None
+assert Trainer(cfg, devices=d[:2], comm_devices=d[1:3]).overlap is None
 for x, y, z in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
     np.testing.assert_array_equal(x, y); np.testing.assert_array_equal(x, z)
 print("blocking", ca); print("overlap", cb); print("settled", cc)

@@ -13,7 +13,7 @@ from diloco.eval import score, tasks as tasks_lib
 
 def load_run(workdir: str | Path) -> tuple[Callable, Any, Any, int]:
     """(apply_fn, outer params, vocab, context window) of a run's newest checkpoint."""
-    from diloco.checkpoint import load_eval_params
+    from diloco.trainer import load_eval_params
 
     cfg, model, params, vocab = load_eval_params(workdir)
     max_len = int(cfg.get("seq_len", 0) or model.cfg.max_seq_len)

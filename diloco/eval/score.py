@@ -10,14 +10,14 @@ import functools
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from diloco.eval import tasks as tasks_lib
+from diloco.rundir import atomic_write_text, write_jsonl
 
 ApplyFn = Callable[[Any, Any], Any]
 Pair = tuple[Sequence[int], Sequence[int]]
@@ -175,28 +175,10 @@ def evaluate(apply_fn: ApplyFn, params: Any, vocab: Any, tasks: list[str] | str,
 
 # ---------------------------------------------------------------- files
 
-def _atomic_write(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
-    _atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
 def merge_summary(path: str | os.PathLike, downstream: dict[str, Any]) -> dict:
     """summary.json["downstream"][task] = metrics, keeping every other key; temp file + os.replace."""
     path = Path(path)
     summary = json.loads(path.read_text()) if path.exists() else {}
     summary.setdefault("downstream", {}).update(downstream)
-    _atomic_write(path, json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(summary, indent=1, sort_keys=True) + "\n")
     return summary

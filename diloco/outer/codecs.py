@@ -64,6 +64,14 @@ class Codec:
     keep_fraction: float = 1.0  # sparsifiers only: fraction of elements (units) kept
 
 
+def codec_from_config(cfg, name: str | None = None) -> "Codec":
+    """The codec a run's config asks for (`codec`, `codec_block_size`, `codec_rounding`, and
+    `codec_keep_fraction` for the pruning baselines); `name` overrides `cfg.codec`."""
+    name = name or cfg.codec
+    keep = {"keep_fraction": cfg.codec_keep_fraction} if name in ("topk", "dropout", "dare") else {}
+    return make_codec(name, cfg.codec_block_size, cfg.codec_rounding, **keep)
+
+
 def make_codec(name: str, block_size: int = 256, rounding: str = "nearest",
                keep_fraction: float | None = None) -> Codec:
     """Validated Codec; ConfigError names the bad field and the valid values."""

@@ -10,7 +10,6 @@ blocks are stacked by nn.scan. `flatten` gathers them into one fp32 vector; `unf
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
@@ -141,37 +140,3 @@ def make_fragments(params, layers: int, layers_per_fragment: int = 0, fragments:
             raise ConfigError("fragments", f"fragment {p} would be empty; use fewer fragments")
     return Fragments(tuple(tuple(x) for x in parts), tuple(tuple(n) for n in names), tuple(sizes),
                      treedef, tuple(tuple(l.shape) for _, l in flat))
-
-
-def main(argv: list[str]) -> int:
-    """`diloco fragments --config experiments/toy.py:streaming [--config.key=value …]`."""
-    from diloco.config import load_config
-    from diloco.train import abstract_params
-
-    ap = argparse.ArgumentParser(prog="diloco fragments", description="Which parameter goes to which fragment.")
-    ap.add_argument("--config", required=True, help="experiments/<file>.py[:arg]")
-    ap.add_argument("--codec", default=None, help="bytes column for this codec (default: the config's)")
-    args, overrides = ap.parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
-    from diloco.outer.codecs import encoded_nbytes, make_codec
-
-    from diloco.model.scales import SCALES
-
-    if cfg.method == "dp":
-        print("method=dp has no fragments (gradients are averaged every step); use :diloco or :streaming")
-        return 2
-    params = abstract_params(cfg)
-    frags = make_fragments(params, SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments,
-                           cfg.pattern, cfg.embed_fragment)
-    from diloco.config import _keep
-
-    codec = make_codec(args.codec or cfg.codec, cfg.codec_block_size, cfg.codec_rounding, **_keep(cfg))
-    total = sum(frags.sizes)
-    print(f"{frags.P} fragments, pattern={cfg.pattern}, embed_fragment={cfg.embed_fragment}, codec={codec.name}")
-    for p in range(frags.P):
-        nb = encoded_nbytes(codec, frags.sizes[p])
-        print(f"fragment {p}: {frags.sizes[p]:,} params ({100 * frags.sizes[p] / total:.1f}%), "
-              f"{nb:,} bytes per replica per sync ({codec.name}), fp32 {4 * frags.sizes[p]:,}")
-        for n in frags.names[p]:
-            print(f"    {n}")
-    return 0

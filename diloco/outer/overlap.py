@@ -6,11 +6,11 @@ XLA:CPU runs the executions of one device in order and its collectives are synch
 exchange on the compute device would stall the inner steps behind it; on a device of its own it
 runs beside them (docs/distributed.md §2 has the measurements).
 
-The numbers are those of `OuterSync.send`: the same Δ = θ^g_p − θ_m,p and keys (computed on the
-compute devices), the same `OuterSync._exchange` (encode → all-gather over `replica` → decode →
-FP32 average), only placed on other devices. Landing a fragment writes its average into
-`outer["pending"][p]`, the checkpointed slot the synchronous path uses, so checkpoints and resume
-are unchanged (the loop lands everything in flight before it saves).
+The numbers are those of `OuterSync.send`: the same `OuterSync.delta` and keys (computed on the
+compute devices), the same `OuterSync.exchange` (encode → all-gather over `replica` → decode →
+FP32 average), only placed on other devices. The driver (diloco/outer/driver.py) writes a landed
+average into the checkpointed pending slot with `OuterSync.with_pending`, as the blocking path
+does, so checkpoints and resume are unchanged (everything in flight lands before a save).
 """
 from __future__ import annotations
 
@@ -78,8 +78,7 @@ class OverlappedExchange:
             jax, sync = self.jax, self.sync
 
             def prep(params_R, outer, key, contrib_R):
-                g_n = sync.frags.flatten(outer["params"], p)
-                delta = g_n[None] - jax.vmap(lambda t: sync.frags.flatten(t, p))(params_R)
+                delta = sync.delta(params_R, outer, p)
                 return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
 
             self._prep[p] = jax.jit(prep, out_shardings=(self.rep, self.rep, self.rep))
@@ -96,10 +95,10 @@ class OverlappedExchange:
         if p in self.inflight:
             raise RuntimeError(f"fragment {p} sent at step {t} while its exchange from step "
                                f"{self.inflight[p].step} is still in flight (τ ≥ H?)")
-        delta, keys, w = self._prep_fn(p)(state["params"], state["outer"], key, contrib_R)
+        delta, keys, w = self._prep_fn(p)(state.params, state.outer, key, contrib_R)
         args = [self._to_comm(a) for a in (delta, keys, w)]
         if p not in self._x:
-            self._x[p] = self.jax.jit(self.xsync._exchange)
+            self._x[p] = self.jax.jit(self.xsync.exchange)
         out = self._x[p](*args)
         self.inflight[p] = InFlight(out, t, finite_R)
         if self.timeline is not None:
@@ -107,15 +106,13 @@ class OverlappedExchange:
             self.timeline.watch(out, "exchange_end", step=t, fragment=p)
 
     # -- land --------------------------------------------------------------------------------------
-    def land(self, state, p: int, t: int | None = None):
-        """Wait for fragment p (if in flight) and put its average into outer["pending"][p].
-
-        Returns (state, InFlight or None): None when nothing was in flight (e.g. a resumed run
-        whose checkpoint already holds the average)."""
+    def land(self, p: int, t: int | None = None):
+        """Wait for fragment p (if in flight): (average on the compute mesh, replicated; its InFlight),
+        or (None, None) when nothing was in flight (e.g. a resumed run whose checkpoint holds it)."""
         jax = self.jax
         rec = self.inflight.pop(p, None)
         if rec is None:
-            return state, None
+            return None, None
         t0 = time.perf_counter()
         local = rec.out.addressable_shards[0].data
         local.block_until_ready()
@@ -123,17 +120,7 @@ class OverlappedExchange:
         if self.timeline is not None:
             self.timeline.add("apply_wait", step=t if t is not None else rec.step, fragment=p, waited_s=waited)
         bufs = [jax.device_put(local, d) for d in self.repl.addressable_devices]
-        avg = jax.make_array_from_single_device_arrays(local.shape, self.repl, bufs)
-        pending = list(state["outer"]["pending"])
-        pending[p] = avg
-        return {**state, "outer": {**state["outer"], "pending": pending}}, rec
-
-    def land_all(self, state):
-        landed = []
-        for p in sorted(self.inflight):
-            state, rec = self.land(state, p)
-            landed.append((p, rec))
-        return state, landed
+        return jax.make_array_from_single_device_arrays(local.shape, self.repl, bufs), rec
 
 
 class Timeline:

@@ -9,22 +9,33 @@
 
 Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is
 replicated, and identical on every replica by construction.
+
+Δ is computed in one place (`OuterSync.delta`) and the averaged Δ is written into the pending
+buffer in one place (`OuterSync.with_pending`); the blocking send and the overlapped exchange
+(diloco/outer/overlap.py) both go through them. diloco/outer/driver.py turns the schedule into calls.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 from jax.sharding import Mesh, PartitionSpec as P
 
 from diloco.outer import codecs
 from diloco.outer.fragments import Fragments
 
-OuterState = dict  # {"params": tree, "opt": [optax state per fragment], "pending": [(n_p,) f32]}
+
+@struct.dataclass
+class OuterState:
+    params: Any                  # θᵍ: the model's parameter tree, no replica axis
+    opt: tuple                   # one optax (Nesterov SGD) state per fragment, over its flat fp32 vector
+    pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
 
 
 def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
@@ -41,24 +52,31 @@ class OuterSync:
 
     def init(self, params) -> OuterState:
         vecs = [self.frags.flatten(params, p) for p in range(self.frags.P)]
-        return {"params": params, "opt": [self.tx.init(v) for v in vecs],
-                "pending": [jnp.zeros_like(v) for v in vecs]}
+        return OuterState(params=params, opt=tuple(self.tx.init(v) for v in vecs),
+                          pending=tuple(jnp.zeros_like(v) for v in vecs))
 
     def bytes_per_replica(self, p: int) -> int:
         return codecs.encoded_nbytes(self.codec, self.frags.sizes[p])
 
     # -- send ------------------------------------------------------------------------------------
+    def delta(self, params_R, outer: OuterState, p: int) -> jax.Array:
+        """Δ_m,p = θᵍ_p − θ_m,p, (R, n_p) f32: the outer gradient of every replica (the only place)."""
+        g_n = self.frags.flatten(outer.params, p)
+        return g_n[None] - jax.vmap(lambda t: self.frags.flatten(t, p))(params_R)
+
+    @staticmethod
+    def with_pending(outer: OuterState, p: int, avg_n: jax.Array) -> OuterState:
+        """The averaged Δ of fragment p, held until its apply (the only write of the pending buffer)."""
+        return outer.replace(pending=outer.pending[:p] + (avg_n,) + outer.pending[p + 1:])
+
     def send(self, params_R, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
         """Average the encoded outer gradients of fragment p over the replicas with contrib > 0."""
-        g_n = self.frags.flatten(outer["params"], p)
-        delta_Rxn = g_n[None] - jax.vmap(lambda t: self.frags.flatten(t, p))(params_R)
+        delta_Rxn = self.delta(params_R, outer, p)
         keys_R = jax.random.split(key, delta_Rxn.shape[0])
-        avg_n = self._exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32))
-        pending = list(outer["pending"])
-        pending[p] = avg_n
-        return {**outer, "pending": pending}
+        return self.with_pending(outer, p, self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32)))
 
-    def _exchange(self, delta_Rxn, keys_R, w_R):
+    def exchange(self, delta_Rxn, keys_R, w_R):
+        """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,)."""
         codec, n = self.codec, delta_Rxn.shape[1]
 
         def local(delta_rxn, keys_r, w_r, gather):
@@ -86,14 +104,13 @@ class OuterSync:
 
     # -- update and merge --------------------------------------------------------------------------
     def update(self, outer: OuterState, p: int) -> OuterState:
-        g_n = self.frags.flatten(outer["params"], p)
-        upd_n, opt_p = self.tx.update(outer["pending"][p], outer["opt"][p], g_n)
-        opt = list(outer["opt"])
-        opt[p] = opt_p
-        return {**outer, "params": self.frags.unflatten(outer["params"], p, g_n + upd_n), "opt": opt}
+        g_n = self.frags.flatten(outer.params, p)
+        upd_n, opt_p = self.tx.update(outer.pending[p], outer.opt[p], g_n)
+        return outer.replace(params=self.frags.unflatten(outer.params, p, g_n + upd_n),
+                             opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
 
     def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array):
-        g_n = self.frags.flatten(outer["params"], p)
+        g_n = self.frags.flatten(outer.params, p)
 
         def one(theta, m):
             local_n = self.frags.flatten(theta, p)

@@ -1,0 +1,123 @@
+"""The only code that turns the schedule into sends, outer updates and merges.
+
+After inner step t the loop calls `OuterDriver.after_step(state, t)`; in this order:
+  sends(t)          Δ → encode → exchange → FP32 average, into the pending slot of fragment p
+                    (blocking: one jitted program; overlapped: dispatched on the comm devices and
+                    landed at the apply, diloco/outer/overlap.py)
+  outer_updates(t)  Nesterov step of θᵍ_p with the pending average
+  merges(t)         θ_m,p ← α·θ_m,p + (1−α)·θᵍ_p on the replicas whose τ_m has elapsed
+
+The math is `OuterSync`'s (diloco/outer/sync.py); this module only schedules and places it.
+`state` is the trainer's TrainState (fields `params`, `outer`, …; `replace` makes a new one).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco.faults import NumericalFault
+from diloco.outer.schedule import Schedule
+from diloco.outer.sync import OuterSync
+
+# check(state, p, t_send, finite_R): called once fragment p's average is in its pending slot.
+Check = Callable[[Any, int, int, Any], None]
+
+
+class OuterDriver:
+    def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, overlap=None):
+        self.sync, self.schedule, self.R, self.overlap = sync, schedule, R, overlap
+        self.base_key = jax.random.PRNGKey(seed + 1)
+        self._jit: dict[tuple[str, int], Any] = {}
+
+    @property
+    def P(self) -> int:
+        return self.sync.frags.P
+
+    def bytes_per_replica(self, p: int) -> int:
+        return self.sync.bytes_per_replica(p)
+
+    # -- one jitted program per (operation, fragment): 3·P programs, compiled on first use ----------
+    def program(self, kind: str, p: int):
+        if (kind, p) not in self._jit:
+            sync = self.sync
+            if kind == "send":
+                def f(state, key, contrib_R):
+                    return state.replace(outer=sync.send(state.params, state.outer, p, key, contrib_R))
+            elif kind == "update":
+                def f(state):
+                    return state.replace(outer=sync.update(state.outer, p))
+            elif kind == "merge":
+                def f(state, mask_R):
+                    return state.replace(params=sync.merge(state.params, state.outer, p, mask_R))
+            else:
+                raise ValueError(f"unknown outer operation {kind!r}")
+            self._jit[(kind, p)] = jax.jit(f, donate_argnums=(0,))
+        return self._jit[(kind, p)]
+
+    def key(self, t: int, p: int):
+        return jax.random.fold_in(jax.random.fold_in(self.base_key, t), p)
+
+    # -- the schedule ------------------------------------------------------------------------------
+    def after_step(self, state, t: int, contrib: Callable[[int, int], np.ndarray] | None = None,
+                   check: Check | None = None) -> tuple[Any, list[tuple[int, int]]]:
+        """Everything the schedule says happens after inner step t: (state, [(p, bytes sent)])."""
+        sent = []
+        sends = self.schedule.sends(t)
+        finite_R = replica_finite(state.params) if sends and check else None  # culprit, pre-merge
+        for p in sends:
+            c = np.ones(self.R, np.float32) if contrib is None else np.asarray(contrib(t, p), np.float32)
+            k = self.key(t, p)
+            if self.overlap is not None:
+                self.overlap.send(state, p, k, jnp.asarray(c), t, finite_R)
+            else:
+                state = self.program("send", p)(state, k, jnp.asarray(c))
+                if check:
+                    check(state, p, t, finite_R)
+            sent.append((p, int(self.bytes_per_replica(p) * (c > 0).sum())))
+        for p in self.schedule.outer_updates(t):
+            state = self.land(state, p, t, check)
+            state = self.program("update", p)(state)
+        for p, mask in self.schedule.merges(t):
+            state = self.program("merge", p)(state, jnp.asarray(mask))
+        return state, sent
+
+    def land(self, state, p: int, t: int | None = None, check: Check | None = None):
+        """Fragment p's overlapped exchange, if in flight, into its pending slot."""
+        if self.overlap is None:
+            return state
+        avg, rec = self.overlap.land(p, t)
+        if rec is None:
+            return state
+        state = state.replace(outer=self.sync.with_pending(state.outer, p, avg))
+        if check:
+            check(state, p, rec.step, rec.finite_R)
+        return state
+
+    def settle(self, state, check: Check | None = None):
+        """Land every exchange still in flight (before a checkpoint or the end of the run)."""
+        for p in sorted(self.overlap.inflight if self.overlap is not None else ()):
+            state = self.land(state, p, None, check)
+        return state
+
+
+def replica_finite(params_R):
+    """(R,) bool on device, not fetched unless a fault is found: which replicas hold only finite values."""
+    leaves = jax.tree_util.tree_leaves(params_R)
+    return jnp.stack([jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]).all(0)
+
+
+def check_pending_finite(state, p: int, t: int, last_ckpt: int = 0, finite_R=None) -> None:
+    """Raise NumericalFault when fragment p's averaged outer gradient (sent at step t) is not finite."""
+    pending = state.outer.pending[p]
+    if not bool(jnp.isfinite(pending).all()):  # one scalar to the host per sync, the vector only on failure
+        v = np.asarray(pending)
+        try:
+            bad = [m for m, ok in enumerate(np.asarray(finite_R)) if not ok]
+        except Exception:  # None, or not addressable from this process
+            bad = "unknown"
+        raise NumericalFault(f"step {t}: the averaged outer gradient of fragment {p} is not finite "
+                             f"({int((~np.isfinite(v)).sum())} bad values; non-finite parameters on replica(s) "
+                             f"{bad}); the run stopped and the last good checkpoint (step {last_ckpt}) is kept")

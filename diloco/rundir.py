@@ -1,0 +1,192 @@
+"""The run folder: every record a run writes, and the one way to write it.
+
+  config.json       the resolved config           summary.json     final numbers + settings
+  metrics.jsonl     one row per logged step       downstream.jsonl downstream accuracy rows
+  point.json        a sweep point's identity      failed.json      why a sweep point failed
+  tb/               TensorBoard scalars           timeline/        per-process event timelines
+  ckpt/             orbax checkpoints (diloco/checkpoint.py)
+
+All paths go through `path()`, an `etils.epath.Path` (what orbax uses), so a run folder may live on
+a non-local filesystem such as `gs://bucket/runs/x`. Writes are atomic: a local file is written
+to a temporary sibling, fsynced and renamed; an object store's write of a whole object is atomic
+by itself. Readers never see half a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from typing import Any, Iterable
+
+from etils import epath
+
+PathLike = str | os.PathLike | epath.Path
+
+
+def path(p: PathLike) -> epath.Path:
+    """The run-folder path type: local paths stay local (made absolute); `gs://…` stays remote."""
+    s = os.fspath(p)
+    return epath.Path(s) if is_remote(s) else epath.Path(os.path.abspath(s))
+
+
+def is_remote(p: PathLike) -> bool:
+    return "://" in os.fspath(p)
+
+
+def atomic_write_text(p: PathLike, text: str) -> None:
+    p = path(p)
+    if is_remote(p):  # an object store replaces a whole object at once
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        return
+    local = os.fspath(p)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local), prefix=f".{os.path.basename(local)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, local)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(p: PathLike, obj: Any) -> None:
+    atomic_write_text(p, json.dumps(obj, indent=1, sort_keys=True, default=json_default) + "\n")
+
+
+def write_jsonl(p: PathLike, rows: Iterable[dict]) -> None:
+    atomic_write_text(p, "".join(json.dumps(r, default=json_default) + "\n" for r in rows))
+
+
+def json_default(x):
+    import numpy as np
+
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def read_json(p: PathLike, default: Any = None) -> Any:
+    p = path(p)
+    return json.loads(p.read_text()) if p.exists() else default
+
+
+def read_jsonl(p: PathLike) -> list[dict]:
+    """Rows of a JSONL file; a torn last line (a crash mid-append) ends the list."""
+    p = path(p)
+    rows = []
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def append_jsonl(p: PathLike, row: dict) -> None:
+    """One row, durably: fsynced locally; rewritten whole on an object store (no appends there)."""
+    p = path(p)
+    if is_remote(p):
+        atomic_write_text(p, (p.read_text() if p.exists() else "") + json.dumps(row, default=json_default) + "\n")
+        return
+    with open(os.fspath(p), "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, default=json_default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_jsonl(p: PathLike, step: int) -> None:
+    """On resume, drop rows logged after the checkpoint's step (they will be logged again)."""
+    p = path(p)
+    if p.exists():
+        write_jsonl(p, [r for r in read_jsonl(p) if r.get("step", 0) <= step])
+
+
+def versions() -> dict:
+    import flax
+    import jax
+    import optax
+
+    from diloco import __version__
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "diloco": __version__, "backend": jax.default_backend(),
+            "devices": jax.device_count()}
+
+
+class RunDir:
+    """One run's folder. `primary=False` (every process but 0 of a multi-process run) writes nothing."""
+
+    def __init__(self, root: PathLike, primary: bool = True):
+        self.root, self.primary = path(root), primary
+        self.tb = None
+
+    def __truediv__(self, name: str) -> epath.Path:
+        return self.root / name
+
+    @property
+    def ckpt(self) -> epath.Path:
+        return self.root / "ckpt"
+
+    def make(self) -> None:
+        if self.primary or not is_remote(self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def claim(self, cfg_json: str) -> None:
+        """Write config.json, or check that the folder holds a run of this same config."""
+        from diloco.errors import ConfigError
+
+        old = read_json(self / "config.json")
+        if old is not None and old != json.loads(cfg_json):
+            raise ConfigError("workdir", f"{self.root} holds a run with a different config; use a new --workdir "
+                              "or delete it (diff the two config.json files to see what changed)")
+        if self.primary:
+            atomic_write_text(self / "config.json", cfg_json)
+
+    def resume_records(self, step: int) -> None:
+        if self.primary:
+            truncate_jsonl(self / "metrics.jsonl", step)
+            truncate_jsonl(self / "downstream.jsonl", step)
+
+    def log(self, row: dict, name: str = "metrics.jsonl") -> None:
+        if not self.primary:
+            return
+        append_jsonl(self / name, row)
+        if name == "metrics.jsonl":
+            self._tb_log(row)
+
+    def summary(self) -> dict:
+        return read_json(self / "summary.json", {})
+
+    def write_summary(self, summary: dict) -> None:
+        if self.primary:
+            atomic_write_json(self / "summary.json", summary)
+
+    def _tb_log(self, row: dict) -> None:
+        if self.tb is None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                return
+            self.tb = SummaryWriter(os.fspath(self / "tb"))
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

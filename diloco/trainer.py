@@ -1,0 +1,274 @@
+"""The Trainer: typed state, mesh and shardings, the jitted inner step and evaluation.
+
+  TrainState.params, .opt   replica-stacked (leading axis R; R = 1 for DP), on the `replica` mesh axis
+  TrainState.outer          DiLoCo family only: θᵍ, per-fragment Nesterov state, pending averaged Δ
+  TrainState.step           inner steps done
+
+Every inner step is one jitted, vmapped AdamW step per replica; the outer syncs are the driver's
+(diloco/outer/driver.py). Evaluation uses θᵍ.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from diloco.config import replica_axis_size
+from diloco.data import get_vocabulary
+from diloco.model import ModelConfig, Transformer, loss_fn
+from diloco.outer.codecs import codec_from_config
+from diloco.outer.driver import OuterDriver
+from diloco.outer.fragments import make_fragments
+from diloco.outer.schedule import make_schedule
+from diloco.outer.sync import OuterState, OuterSync, outer_optimizer
+
+
+@struct.dataclass
+class TrainState:
+    params: Any                      # replica-stacked parameter tree, leading axis R
+    opt: Any                         # replica-stacked AdamW state
+    step: jax.Array                  # () int32: inner steps done
+    outer: OuterState | None = None  # DiLoCo family only
+
+
+def model_config(cfg, vocab_size: int) -> ModelConfig:
+    return ModelConfig.from_scale(cfg.scale, vocab_size=vocab_size, dtype=cfg.model.dtype,
+                                  remat=cfg.model.remat, scan=cfg.model.scan)
+
+
+def padded_vocab_size(n: int) -> int:
+    return int(math.ceil(n / 128) * 128)
+
+
+def abstract_params(cfg):
+    """Parameter shapes of a config, without allocating (for `diloco fragments`)."""
+    mcfg = model_config(cfg, padded_vocab_size(get_vocabulary(cfg.vocab).vocab_size))
+    return jax.eval_shape(lambda: Transformer(mcfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+
+
+def inner_optimizer(cfg):
+    o = cfg.optimizer
+    sched = optax.warmup_cosine_decay_schedule(0.0, o.lr, max(1, o.warmup_steps), max(cfg.steps, o.warmup_steps + 1),
+                                               end_value=o.min_lr_ratio * o.lr)
+    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
+                     optax.adamw(sched, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    return tx, sched
+
+
+class Trainer:
+    """Owns the state's layout and the jitted inner step; the loop (diloco/train.py) wires the rest."""
+
+    def __init__(self, cfg, devices=None, comm_devices=None, timeline=None):
+        self.cfg = cfg
+        self.is_dp = cfg.method == "dp"
+        self.R = 1 if self.is_dp else cfg.replicas
+        devices = list(devices if devices is not None else jax.devices())
+        r_axis = replica_axis_size(cfg, len(devices))
+        self.mesh = Mesh(np.array(devices).reshape(r_axis, len(devices) // r_axis), ("replica", "data"))
+        self.rep_sharding = NamedSharding(self.mesh, P("replica"))
+        self.repl_sharding = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P("replica", "data"))
+        self.vocab = get_vocabulary(cfg.vocab)
+        self.mcfg = model_config(cfg, padded_vocab_size(self.vocab.vocab_size))
+        self.model = Transformer(self.mcfg)
+        self.tx, self.lr_schedule = inner_optimizer(cfg)
+        self.param_shapes = jax.eval_shape(self.init_params)
+        self.n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(self.param_shapes))
+        self.driver: OuterDriver | None = None
+        if not self.is_dp:
+            frags = make_fragments(self.param_shapes, self.mcfg.layers, cfg.layers_per_fragment, cfg.fragments,
+                                   cfg.pattern, cfg.embed_fragment)
+            sync = OuterSync(frags, codec_from_config(cfg),
+                             outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov), cfg.alpha,
+                             self.mesh if self.mesh.shape["replica"] > 1 else None)
+            self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
+                                      self.R, cfg.seed, self._overlap(sync, comm_devices, timeline))
+        self._jit: dict[Any, Any] = {}
+
+    def _overlap(self, sync, comm_devices, timeline):
+        """Multi-process with a comm device per process: exchanges run there, overlapping the inner
+        steps, and are waited for only at their apply (diloco/outer/overlap.py)."""
+        if not comm_devices:
+            return None
+        from diloco.outer.overlap import OverlappedExchange
+
+        try:
+            return OverlappedExchange(sync, self.mesh, comm_devices, timeline)
+        except ValueError as why:  # this mesh cannot use the comm devices: blocking sends
+            print(f"diloco train: exchanges will not overlap the inner steps: {why}", file=sys.stderr)
+            return None
+
+    @property
+    def sync(self) -> OuterSync | None:
+        return self.driver.sync if self.driver else None
+
+    @property
+    def schedule(self):
+        return self.driver.schedule if self.driver else None
+
+    @property
+    def overlap(self):
+        return self.driver.overlap if self.driver else None
+
+    # -- state --------------------------------------------------------------------------------------
+    def init_params(self):
+        return self.model.init(jax.random.PRNGKey(self.cfg.seed), jnp.zeros((1, 8), jnp.int32))["params"]
+
+    def init_state(self) -> TrainState:
+        params = self.init_params()
+        params_R = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (self.R,) + x.shape), params)
+        return TrainState(params=params_R, opt=jax.vmap(self.tx.init)(params_R), step=jnp.zeros((), jnp.int32),
+                          outer=self.sync.init(params) if self.sync is not None else None)
+
+    def shardings(self, state: TrainState) -> TrainState:
+        rep = lambda tree: jax.tree_util.tree_map(lambda _: self.rep_sharding, tree)
+        repl = lambda tree: jax.tree_util.tree_map(lambda _: self.repl_sharding, tree)
+        return TrainState(params=rep(state.params), opt=rep(state.opt), step=self.repl_sharding,
+                          outer=repl(state.outer) if state.outer is not None else None)
+
+    def abstract_state(self) -> TrainState:
+        shapes = jax.eval_shape(self.init_state)
+        return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                      shapes, self.shardings(shapes))
+
+    def fresh_state(self) -> TrainState:
+        shapes = jax.eval_shape(self.init_state)
+        return jax.jit(self.init_state, out_shardings=self.shardings(shapes))()
+
+    def eval_params(self, state: TrainState):
+        """θᵍ for the DiLoCo family, the (only) replica for DP."""
+        if state.outer is not None:
+            return state.outer.params
+        return jax.tree_util.tree_map(lambda x: x[0], state.params)
+
+    # -- jitted pieces ------------------------------------------------------------------------------
+    def loss(self, params, tokens_BxL):
+        logits = self.model.apply({"params": params}, tokens_BxL)
+        return loss_fn(logits, tokens_BxL, self.cfg.model.z_loss)
+
+    def apply_fn(self):
+        """(params, tokens) → logits; one function per trainer (the scorer's jit cache keys on it)."""
+        if "apply" not in self._jit:
+            self._jit["apply"] = lambda p, x: self.model.apply({"params": p}, x)
+        return self._jit["apply"]
+
+    def inner_step_fn(self, active: int | None = None):
+        """(state, tokens_RxBxL[, poison_R]) → (state, ce_R, finite_R): one AdamW step per replica.
+
+        `poison_R` (fault injection only) multiplies each replica's loss: 1, nan or inf.
+
+        `active=p` trains only fragment p (the FedPart-style frozen-fragment baseline)."""
+        if ("inner", active) not in self._jit:
+            self._jit[("inner", active)] = jax.jit(self.inner_step(active), donate_argnums=(0,))
+        return self._jit[("inner", active)]
+
+    def inner_step(self, active: int | None = None):
+        """The un-jitted inner step (for `inner_step_fn` and for compiling it into other programs)."""
+        mask = None
+        if active is not None:
+            mask = self.sync.frags.mask_tree(self.param_shapes, active)
+
+        def grad(params, tokens, *poison):
+            lossf = self.loss if not poison else (
+                lambda p, x: jax.tree_util.tree_map(lambda v: v * poison[0], self.loss(p, x)))
+            (loss, aux), grads = jax.value_and_grad(lossf, has_aux=True)(params, tokens)
+            return loss, aux, grads
+
+        def one(params, opt, tokens, *poison):
+            loss, aux, grads = grad(params, tokens, *poison)
+            return update(params, opt, loss, aux["ce"], grads)
+
+        def update(params, opt, loss, ce, grads):
+            updates, opt2 = self.tx.update(grads, opt, params)
+            if mask is not None:
+                updates = jax.tree_util.tree_map(lambda u, m: jnp.where(m, u, 0), updates, mask)
+            finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+            return optax.apply_updates(params, updates), opt2, ce, finite
+
+        flat_reduce = self.mesh.shape["data"] > 1
+        if flat_reduce:
+            # Gradients averaged over the `data` axis as ONE flat vector (token-weighted, so the
+            # masked mean is exact): GSPMD would all-reduce a tuple of every parameter's gradient,
+            # and XLA:CPU's gloo collectives pay a fixed cost per operand (54 arrays: 24 ms vs
+            # 0.8 ms as one, docs/distributed.md).
+            from jax.flatten_util import ravel_pytree
+
+            _, unravel = ravel_pytree(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), self.param_shapes))
+
+            def local(params_r, tokens_r, *poison_r):
+                def g1(params, tokens, *pz):
+                    loss, aux, grads = grad(params, tokens, *pz)
+                    w = aux["tokens"]
+                    return jnp.concatenate([ravel_pytree(grads)[0] * w, jnp.stack([loss * w, aux["ce"] * w, w])])
+                tot = jax.lax.psum(jax.vmap(g1)(params_r, tokens_r, *poison_r), "data")
+                return tot[:, :-3] / jnp.maximum(tot[:, -1:], 1.0), tot[:, -3:-1] / jnp.maximum(tot[:, -1:], 1.0)
+
+            def grads_R(params_R, tokens_RxBxL, *poison_R):
+                specs = (P("replica"), P("replica", "data")) + (P("replica"),) * len(poison_R)
+                flat, lc = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(P("replica"), P("replica")),
+                                         check_vma=False)(params_R, tokens_RxBxL, *poison_R)
+                return lc[:, 0], lc[:, 1], jax.vmap(unravel)(flat)
+
+        def step(state: TrainState, tokens_RxBxL, *poison_R):
+            if flat_reduce:
+                loss_R, ce_R, g_R = grads_R(state.params, tokens_RxBxL, *poison_R)
+                p, o, ce_R, fin_R = jax.vmap(update)(state.params, state.opt, loss_R, ce_R, g_R)
+            else:
+                p, o, ce_R, fin_R = jax.vmap(one)(state.params, state.opt, tokens_RxBxL, *poison_R)
+            # Each replica keeps its own update only if its own step was finite: a local decision,
+            # so no cross-replica collective sits in the inner step (replicas are independent
+            # between syncs; the loop stops or logs the skip from fin_R).
+            def keep(new, old):
+                def pick(a, b):
+                    ok = fin_R.reshape((-1,) + (1,) * (a.ndim - 1))
+                    return jnp.where(ok, a, b)
+                return jax.tree_util.tree_map(pick, new, old)
+            return state.replace(params=keep(p, state.params), opt=keep(o, state.opt), step=state.step + 1), ce_R, fin_R
+
+        return step
+
+    def eval_fn(self):
+        if "eval" not in self._jit:
+            self._jit["eval"] = jax.jit(lambda params, toks: self.loss(params, toks)[1]["ce"])
+        return self._jit["eval"]
+
+    def dp_bytes_per_replica(self) -> int:
+        return self.n_params * np.dtype(jnp.dtype(self.cfg.dp_grad_dtype)).itemsize
+
+
+def load_run(workdir: str | os.PathLike) -> tuple[Any, Trainer, TrainState]:
+    """(config, trainer, state) of a run's newest readable checkpoint."""
+    import ml_collections
+
+    from diloco import rundir
+    from diloco.checkpoint import Checkpointer
+
+    run = rundir.RunDir(workdir)
+    cfg_path = run / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} not found: is {workdir} a diloco run directory?")
+    cfg = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))
+    trainer = Trainer(cfg)
+    ck = Checkpointer(run.ckpt, cfg.keep_checkpoints)
+    try:
+        got = ck.restore(trainer.abstract_state())
+    finally:
+        ck.close()
+    if got is None:
+        raise FileNotFoundError(f"no readable checkpoint under {run.ckpt}")
+    return cfg, trainer, got[1]
+
+
+def load_eval_params(workdir: str | os.PathLike):
+    """(config, model, outer params, vocab) of the newest checkpoint of a run."""
+    cfg, trainer, state = load_run(workdir)
+    return cfg, trainer.model, trainer.eval_params(state), trainer.vocab
