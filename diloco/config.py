@@ -149,18 +149,18 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
 
 def _validate_downstream(cfg, check_data: bool) -> None:
     """Downstream eval runs late in a run: fail before training on a bad task name, missing or malformed data."""
-    from diloco.eval import tasks as T
+    from diloco.eval import benchmarks as B
 
     try:
-        names = T.parse_tasks(cfg.downstream.tasks)
+        names = B.parse_benchmarks(cfg.downstream.tasks)
     except ValueError as e:
         raise ConfigError("downstream.tasks", str(e)) from None
     if cfg.downstream.every < 0 or cfg.downstream.limit < 0:
         raise ConfigError("downstream", f"every={cfg.downstream.every} and limit={cfg.downstream.limit} must be ≥ 0")
     for name in names if check_data else ():
         try:
-            T.load_docs(name, cfg.downstream.data_dir or None)
-        except (T.DataNotFound, T.MalformedItem) as e:
+            B.load_docs(name, cfg.downstream.data_dir or None)
+        except (B.DataNotFound, B.MalformedItem) as e:
             raise ConfigError("downstream.data_dir", str(e)) from None
 
 
