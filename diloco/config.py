@@ -10,9 +10,9 @@ from pathlib import Path
 import ml_collections
 
 from diloco.errors import ConfigError
+from diloco.outer.methods import METHODS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("dp", "diloco", "streaming")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -121,7 +121,8 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
     _validate_faults(cfg)
     if cfg.method != "dp":
         from diloco.outer.codecs import make_codec
-        from diloco.outer.fragments import num_fragments, PATTERNS
+        from diloco.outer.fragments import PATTERNS
+        from diloco.outer.methods import num_fragments
         from diloco.outer.schedule import make_schedule
 
         _one_of(cfg, "pattern", PATTERNS)

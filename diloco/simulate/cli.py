@@ -1,6 +1,6 @@
 """`diloco simulate`: compute utilisation of DP / DiLoCo / Streaming DiLoCo over a WAN link.
 
-  diloco simulate --model 10B --method streaming_overlap_fp4 --bandwidth 1,2,5
+  diloco simulate --model 10B --method streaming_ovl_fp4 --bandwidth 1,2,5
   diloco simulate --model custom --layers 80 --params 70B --step-time 3 --method diloco --target-cu 95
   diloco simulate --paper-table --out results/simulator        # [SD] Table 4 + [EU] + [SL] rows
   diloco simulate --plots results/simulator                      # Fig. 4, Fig. 9, Fig. 3
@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from diloco.errors import ConfigError
+from diloco.outer import methods
 from diloco.simulate import analytic, paper
 from diloco.simulate.dag import Assumptions, Method, Model, simulate
 from diloco.simulate.presets import (
     CALIBRATIONS,
-    METHODS,
     MODELS,
     PATTERNS,
     allreduce_factor,
@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation (default 0.6, as the paper)")
     g.add_argument("--vocab-size", type=int, default=32000)
     g = ap.add_argument_group("method")
-    g.add_argument("--method", default="streaming_overlap_fp4", help="|".join(METHODS))
+    g.add_argument("--method", default="streaming_ovl_fp4", help="|".join(methods.VARIANTS) + " (diloco/outer/methods.py)")
     g.add_argument("--h", type=int, default=100, help="inner steps per outer round H (default 100)")
     g.add_argument("--fragments", type=int, help="number of fragments P (default: layers / layers-per-fragment)")
     g.add_argument("--layers-per-fragment", type=int, default=3)
@@ -347,8 +347,8 @@ def write_plots(folder: Path, a: Assumptions) -> int:
     print(plots.plot_cu_vs_tau(folder / "fig9_cu_vs_tau_100B.png", a=a))
     print(plots.plot_gantt(folder / "fig3_gantt_toy.png", plots.toy_gantt_runs(), PHYSICAL, steps=4))
     m = MODELS["1B"]
-    runs = [(f"1B, {plots.LABELS[k]}, 2 Gbit/s" if k != "dp" else "1B, Data-Parallel, 100 Gbit/s", m,
-             make_method(k, m.layers, h=100), 100.0 if k == "dp" else 2.0) for k in plots.LABELS]
+    runs = [(f"1B, {methods.VARIANTS[k].title}, {'100' if k == 'dp' else '2'} Gbit/s", m,
+             make_method(k, m.layers, h=100), 100.0 if k == "dp" else 2.0) for k in methods.PAPER_VARIANTS]
     print(plots.plot_gantt(folder / "fig3_gantt_1B.png", runs, a, steps=3, first=99))
     return 0
 
