@@ -150,10 +150,7 @@ def _cell(v) -> str:
 def markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "_(no runs)_\n"
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
-    return "\n".join(lines) + "\n"
+    return df.map(_cell).to_markdown(index=False, disable_numparse=True) + "\n"
 
 
 def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str = "") -> None:

@@ -190,3 +190,18 @@ def test_cli_scale_model(capsys):
     assert main(["--model", "35M", "--step-time", "0.05", "--method", "dp", "--bandwidth", "10", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert 0 < row["cu"] <= 1
+
+
+def test_paper_table_markdown_cells():
+    from diloco.simulate import cli
+
+    cells = [paper.Cell("sd", "1B", "diloco_h100", 100, t, g, g, p, off)
+             for t, g, p, off in ((0.5, 2.0, 2.0, 0), (0.9, 4.0, 3.3, 1))]
+    md = cli.markdown(cells, PAPER, 0.1)
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in md.splitlines() if l.startswith("|")]
+    # main table (header, alignment, one row), then the off-grid table (header, alignment, one row)
+    assert rows[0] == ["model", "method", "H", "50%", "90%", "match"]
+    assert rows[2] == ["1B", "diloco_h100", "100", "2.0 / 2.0", "4.0 / 3.3", "+0 +1"]
+    assert rows[3][:7] == ["model", "method", "target", "ours", "exact", "paper", "off"]
+    assert rows[5][:7] == ["1B", "diloco_h100", "90%", "4.0", "4.000", "3.3", "+1"]
+    assert "## sd: 1 exact, 2 within one grid step, of 2 cells" in md

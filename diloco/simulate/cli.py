@@ -299,16 +299,17 @@ def markdown(cells: list[paper.Cell], a: Assumptions, secs: float) -> str:
         s = paper.score(sub)
         lines += ["", f"## {src}: {s['exact']} exact, {s['within_one']} within one grid step, of {s['total']} cells", ""]
         targets = sorted({c.target_cu for c in sub})
-        lines.append("| model | method | H | " + " | ".join(f"{100 * t:g}%" for t in targets) + " | match |")
-        lines.append("|---|---|---|" + "---|" * len(targets) + "---|")
         groups: dict[tuple, list[paper.Cell]] = {}
         for c in sub:
             groups.setdefault((c.model, c.method, c.h), []).append(c)
+        rows = []
         for (model, method, h), cs in groups.items():
             by_t = {c.target_cu: c for c in cs}
-            vals = [f"{paper.fmt(by_t[t].gbit_per_s)} / {paper.fmt(by_t[t].paper_gbit_per_s)}" if t in by_t else "" for t in targets]
-            offs = " ".join(f"{c.steps_off:+d}" for c in cs)
-            lines.append(f"| {model} | {method} | {h or ''} | " + " | ".join(vals) + f" | {offs} |")
+            rows.append({"model": model, "method": method, "H": h or "",
+                         **{f"{100 * t:g}%": f"{paper.fmt(by_t[t].gbit_per_s)} / {paper.fmt(by_t[t].paper_gbit_per_s)}"
+                            if t in by_t else "" for t in targets},
+                         "match": " ".join(f"{c.steps_off:+d}" for c in cs)})
+        lines.append(_md(rows))
         lines += misses(sub, a)
     return "\n".join(lines) + "\n"
 
@@ -323,9 +324,7 @@ def misses(cells: list[paper.Cell], a: Assumptions) -> list[str]:
     off = [c for c in cells if c.steps_off != 0]
     if not off:
         return []
-    out = ["", "Cells off the paper's grid point (exact = our bisection threshold; the last column is the "
-           "traffic factor range that would put this cell on the paper's value, all else equal):", "",
-           "| model | method | target | ours | exact | paper | off | factor range that matches |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for c in off:
         rng = ""
         if a.latency_s == 0 and math.isfinite(c.exact_gbit_per_s):
@@ -334,9 +333,19 @@ def misses(cells: list[paper.Cell], a: Assumptions) -> list[str]:
             hi = GRID[max(ks)]
             f = a.allreduce_factor / c.exact_gbit_per_s
             rng = f"({lo * f:.3f}, {hi * f:.3f}]"
-        out.append(f"| {c.model} | {c.method} | {100 * c.target_cu:g}% | {paper.fmt(c.gbit_per_s)} | "
-                   f"{c.exact_gbit_per_s:.3f} | {paper.fmt(c.paper_gbit_per_s)} | {c.steps_off:+d} | {rng} |")
-    return out
+        rows.append({"model": c.model, "method": c.method, "target": f"{100 * c.target_cu:g}%",
+                     "ours": paper.fmt(c.gbit_per_s), "exact": f"{c.exact_gbit_per_s:.3f}",
+                     "paper": paper.fmt(c.paper_gbit_per_s), "off": f"{c.steps_off:+d}",
+                     "factor range that matches": rng})
+    return ["", "Cells off the paper's grid point (exact = our bisection threshold; the last column is the "
+            "traffic factor range that would put this cell on the paper's value, all else equal):", "", _md(rows)]
+
+
+def _md(rows: list[dict]) -> str:
+    """A markdown table of already formatted cells (pandas + tabulate; numbers are not re-parsed)."""
+    import pandas as pd  # lazy: the simulator's other paths do not need pandas
+
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
 
 
 def write_plots(folder: Path, a: Assumptions) -> int:
