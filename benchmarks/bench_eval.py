@@ -30,7 +30,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from diloco.eval import evaluate, tasks as tasks_lib
+    from diloco.eval import benchmarks, evaluate
 
     if args.workdir:
         from diloco.eval.cli import load_run
@@ -44,7 +44,7 @@ def main() -> None:
         model = Transformer(ModelConfig.from_scale(args.scale, vocab_size=vocab.vocab_size))
         params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
         apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    n_req = {t: sum(len(it.choices) for it in tasks_lib.load_items(t, args.data_dir, args.limit))
+    n_req = {t: sum(len(it.choices) for it in benchmarks.load_items(t, args.data_dir, args.limit))
              for t in args.tasks.split(",")}
     out = {"backend": jax.default_backend(), "devices": len(jax.devices()), "scale": args.scale,
            "workdir": args.workdir, "max_len": args.max_len, "batch_size": args.batch_size}

@@ -10,9 +10,9 @@ from pathlib import Path
 import ml_collections
 
 from diloco.errors import ConfigError
+from diloco.outer.methods import METHODS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("dp", "diloco", "streaming")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -121,7 +121,8 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
     _validate_faults(cfg)
     if cfg.method != "dp":
         from diloco.outer.codecs import codec_from_config
-        from diloco.outer.fragments import num_fragments, PATTERNS
+        from diloco.outer.fragments import PATTERNS
+        from diloco.outer.methods import num_fragments
         from diloco.outer.schedule import make_schedule
 
         _one_of(cfg, "pattern", PATTERNS)
@@ -149,18 +150,18 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
 
 def _validate_downstream(cfg, check_data: bool) -> None:
     """Downstream eval runs late in a run: fail before training on a bad task name, missing or malformed data."""
-    from diloco.eval import tasks as T
+    from diloco.eval import benchmarks as B
 
     try:
-        names = T.parse_tasks(cfg.downstream.tasks)
+        names = B.parse_benchmarks(cfg.downstream.tasks)
     except ValueError as e:
         raise ConfigError("downstream.tasks", str(e)) from None
     if cfg.downstream.every < 0 or cfg.downstream.limit < 0:
         raise ConfigError("downstream", f"every={cfg.downstream.every} and limit={cfg.downstream.limit} must be ≥ 0")
     for name in names if check_data else ():
         try:
-            T.load_docs(name, cfg.downstream.data_dir or None)
-        except (T.DataNotFound, T.MalformedItem) as e:
+            B.load_docs(name, cfg.downstream.data_dir or None)
+        except (B.DataNotFound, B.MalformedItem) as e:
             raise ConfigError("downstream.data_dir", str(e)) from None
 
 

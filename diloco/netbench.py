@@ -114,13 +114,15 @@ def _launch(argv: list[str], out: Path) -> int:
 
 
 # -- the trainer itself over shaped links (diloco launch -- train) ------------------------------------
-# variant -> (experiments/toy.py method, overrides, comm device, simulator method, simulator τ)
+# A measurement variant is a method variant of diloco/outer/methods.py (the one vocabulary; it gives
+# the simulator's method) run a certain way: with or without a comm device, and the τ that overlaps.
+# name -> (experiments/toy.py method, overrides, comm device, methods.VARIANTS name, simulator τ)
 TRAIN_VARIANTS = {
     "dp": ("dp", dict(replicas=2), False, "dp", 0),
     "diloco": ("streaming", dict(fragments=1, layers_per_fragment=0, tau=0, codec="bf16"), False, "diloco", 0),
-    "streaming_fp4_blocking": ("streaming", dict(tau=1), False, "streaming", 0),
-    "streaming_fp4_overlap": ("streaming", dict(tau=1), True, "streaming_overlap_fp4", 1),
-    "streaming_fp4_overlap_tau5": ("streaming", dict(tau=5), True, "streaming_overlap_fp4", 5),
+    "streaming_fp4_blocking": ("streaming", dict(tau=1), False, "streaming_fp4", 0),
+    "streaming_fp4_overlap": ("streaming", dict(tau=1), True, "streaming_ovl_fp4", 1),
+    "streaming_fp4_overlap_tau5": ("streaming", dict(tau=5), True, "streaming_ovl_fp4", 5),
 }
 
 

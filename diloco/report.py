@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from diloco.errors import ConfigError
+from diloco.outer import methods
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "results" / "paper"
 # Spec argument fields of the experiments that take several (experiments/<stem>.py:a,b,c).
@@ -49,17 +50,6 @@ def _read_json(p: Path):
         return None
 
 
-def paper_label(cfg: dict) -> str:
-    """The results/paper method label a config corresponds to (its actual H)."""
-    if cfg["method"] == "dp":
-        return "data_parallel"
-    if cfg["method"] == "diloco":
-        return f"diloco_h{cfg['H']}"
-    tag = "streaming" + ("_ovl" if cfg.get("tau") or cfg.get("replica_tau") else "") + \
-          ("_fp4" if cfg.get("codec") == "e3m0" else "")
-    return f"{tag}_h{cfg['H']}"
-
-
 def _sweep_order(point: dict, cache: dict) -> dict:
     """{point name: index} in the sweep file's own order (for tables/plots), {} if unavailable."""
     key = (point.get("sweep_file"), point.get("sweep_arg"))
@@ -91,13 +81,13 @@ def load_runs(root: str | Path) -> pd.DataFrame:
                "status": "done" if summ else ("failed" if failed else "incomplete"),
                "spec": point.get("spec", ""), "command": point.get("command", "")}
         row.update({k: cfg.get(k) for k in CONFIG_COLS})
-        row["label"] = paper_label(cfg)
+        row["label"] = methods.paper_label(cfg)
         stem, _, arg = row["spec"].partition(":")
         stem = Path(stem).stem
         for name, val in zip(SPEC_ARGS.get(stem, ()), arg.split(",") if arg else ()):
             row[f"arg_{name}"] = val
         if "arg_label" in row:  # the paper's name for the setting (toy twins shrink H 3×)
-            row["label"] = "data_parallel" if row["arg_label"] == "dp" else row["arg_label"]
+            row["label"] = methods.label_of(row["arg_label"])
         for k, v in (point.get("point") or {}).items():
             if k != "arg":
                 row[f"ax_{k}"] = v
@@ -160,10 +150,7 @@ def _cell(v) -> str:
 def markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "_(no runs)_\n"
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
-    return "\n".join(lines) + "\n"
+    return df.map(_cell).to_markdown(index=False, disable_numparse=True) + "\n"
 
 
 def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str = "") -> None:

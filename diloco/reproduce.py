@@ -116,6 +116,14 @@ def headline_text(h: dict) -> str:
     return "\n".join(lines)
 
 
+def _md(rows: list[dict]) -> str:
+    import pandas as pd
+
+    from diloco.report import markdown
+
+    return markdown(pd.DataFrame(rows)).rstrip("\n")
+
+
 def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, str, float]], h: dict,
                  files: list[Path], history: list[dict]) -> Path:
     cmd = "diloco reproduce" + (" " + shlex.join(argv) if argv else "")
@@ -123,15 +131,14 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
              f"Made by `{cmd}` (run records under `{root}`), {time.strftime('%Y-%m-%d %H:%M')} ; regenerate the "
              f"tables alone with `diloco tables --root {root} --out {out}`. `results/paper/` holds the paper's "
              "numbers these are compared with (not generated).", "", "## Steps", "",
-             "| step | command | seconds |", "|---|---|---|"]
-    lines += [f"| {name} | `{c}` | {secs:.0f} |" for name, c, secs in steps]
+             _md([{"step": name, "command": f"`{c}`", "seconds": f"{secs:.0f}"} for name, c, secs in steps])]
     if history:
         lines += ["", "## Invocations on this root", "",
                   "Every `diloco reproduce` on this root (a rerun skips finished runs, so only a run that trained "
-                  "them measures the job):", "", "| started | command | runs trained | skipped | failed | minutes |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {e['started']} | `{e['command']}` | {e['trained']} | {e['skipped']} | {e['failed']} | "
-                  f"{e['minutes']:.1f} |" for e in history]
+                  "them measures the job):", "",
+                  _md([{"started": e["started"], "command": f"`{e['command']}`", "runs trained": e["trained"],
+                        "skipped": e["skipped"], "failed": e["failed"], "minutes": f"{e['minutes']:.1f}"}
+                       for e in history])]
     sweeps = {}
     for p in sorted(root.glob("*/*/point.json")):
         try:

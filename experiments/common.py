@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from diloco.outer import methods
 from experiments import base
 
 TOY_SCALES = ("tiny", "toy", "toy-l")
@@ -59,29 +60,17 @@ def sized(c, scale: str, replicas: int | None = 2, budget: float = 1.0, data: st
 
 
 def method(c, name: str):
-    """The four columns of [SD] Table 5 (and the variants used by the ablations).
-
-    dp | diloco_h{H} | streaming_h{H} (no overlap, FP32) | streaming_ovl_h{H} (τ=1) |
-    streaming_ovl_fp4_h{H} (τ=1, E3M0: the paper's final method)."""
-    kind, _, h = name.rpartition("_h")
-    if name == "dp":
-        c.method = "dp"
-        return c
-    if not h.isdigit() or kind not in ("diloco", "streaming", "streaming_ovl", "streaming_ovl_fp4"):
-        raise ValueError(f"method {name!r}: use dp, diloco_h<H>, streaming_h<H>, streaming_ovl_h<H> "
-                         "or streaming_ovl_fp4_h<H> (e.g. streaming_ovl_fp4_h30)")
-    c.H = toy_H(c.scale, int(h))
-    if kind == "diloco":
-        c.method = "diloco"
-        return c
-    c.method, c.layers_per_fragment, c.pattern = "streaming", 3, "strided"  # [SD]: 3 blocks, strided
-    if c.scale in ("tiny",):
+    """The four columns of [SD] Table 5 (and the variants used by the ablations): `dp` or
+    `<variant>_h<H>` with a variant of diloco/outer/methods.py, e.g. diloco_h30, streaming_h30
+    (no overlap, FP32), streaming_ovl_h30 (τ=1), streaming_ovl_fp4_h30 (τ=1, E3M0: the paper's final
+    method). Toy scales shrink H (toy_H); `tiny` syncs one block per fragment."""
+    variant, H = methods.parse(name)
+    if H is not None:
+        c.H = toy_H(c.scale, H)
+    for k, v in variant.config_overrides().items():
+        c[k] = v
+    if variant.layers_per_fragment and c.scale in ("tiny",):
         c.layers_per_fragment = 1  # tiny has 3 blocks: keep P = 3 fragments as at 35M–100M
-    c.alpha = 0.5                  # α of the main runs is UNKNOWN in [SD]; 0.5 as in §3.3.2
-    if "ovl" in kind:
-        c.tau = 1
-    if "fp4" in kind:
-        c.codec = "e3m0"
     return c
 
 

@@ -164,18 +164,18 @@ def test_resuming_a_workdir_with_a_different_config(tmp_path):
     assert e.value.field == "workdir"
 
 
-def test_malformed_eval_items_of_every_task_name_file_and_line(tmp_path):
-    from diloco.eval import tasks as T
+def test_malformed_eval_items_of_every_benchmark_name_file_and_line(tmp_path):
+    from diloco.eval import benchmarks as B
 
     hs = {"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x", "y"], "label": 1}
     write(tmp_path / "hellaswag" / "hellaswag_val.jsonl", json.dumps(hs) + "\n" + json.dumps({**hs, "label": 4}) + "\n")
     arc = {"id": "q", "question": {"stem": "s", "choices": [{"text": "a", "label": "A"}, {"text": "b", "label": "B"}]},
            "answerKey": "C"}
     write(tmp_path / "arc" / "ARC-Easy-Test.jsonl", json.dumps(arc) + "\n")
-    with pytest.raises(T.MalformedItem, match=r"hellaswag_val.jsonl:2: label 4 is not an index into 2 endings"):
-        T.load_docs("hellaswag", tmp_path)
-    with pytest.raises(T.MalformedItem, match=r"ARC-Easy-Test.jsonl:1: answerKey 'C' is not one of"):
-        T.load_docs("arc_easy", tmp_path)
+    with pytest.raises(B.MalformedItem, match=r"hellaswag_val.jsonl:2: label 4 is not an index into 2 endings"):
+        B.load_docs("hellaswag", tmp_path)
+    with pytest.raises(B.MalformedItem, match=r"ARC-Easy-Test.jsonl:1: answerKey 'C' is not one of"):
+        B.load_docs("arc_easy", tmp_path)
 
 
 def test_documents_shorter_than_the_sequence_are_packed_not_padded(tmp_path):

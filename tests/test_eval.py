@@ -14,7 +14,7 @@ import pytest
 for _k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_k] = "1"
 
-from diloco.eval import score, tasks as T  # noqa: E402
+from diloco.eval import benchmarks as B, score  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 EVAL = SHARED / "data" / "eval"
@@ -64,25 +64,25 @@ def tiny():
 # ---------------------------------------------------------------- readers and prompts
 
 def test_item_counts_of_shared_files(data):
-    assert len(T.load_items("piqa", data)) == 1838
-    assert len(T.load_items("arc_easy", data)) == 2376
-    assert len(T.load_items("hellaswag", data)) == 1000
-    assert len(T.load_docs("arc_easy", data, "train")) == 2251
-    assert len(T.load_items("piqa", data, limit=7)) == 7
+    assert len(B.load_items("piqa", data)) == 1838
+    assert len(B.load_items("arc_easy", data)) == 2376
+    assert len(B.load_items("hellaswag", data)) == 1000
+    assert len(B.load_docs("arc_easy", data, "train")) == 2251
+    assert len(B.load_items("piqa", data, limit=7)) == 7
 
 
 def test_real_items_parse_as_lm_eval_prompts_them(data):
-    piqa = T.load_items("piqa", data)[0]
+    piqa = B.load_items("piqa", data)[0]
     assert piqa.query == "Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"
     assert piqa.choices[1].endswith("ripped jeans material, you will also need to supply it with a "
                                     "water bottle and a food dish.") and piqa.label == 0
     labels = (data / "piqa" / "valid-labels.lst").read_text().split()
-    assert [it.label for it in T.load_items("piqa", data)] == [int(x) for x in labels]
-    arc = T.load_items("arc_easy", data)
-    numeric = [it for it, (_, d) in zip(arc, T.load_docs("arc_easy", data)) if d["answerKey"] == "3"]
+    assert [it.label for it in B.load_items("piqa", data)] == [int(x) for x in labels]
+    arc = B.load_items("arc_easy", data)
+    numeric = [it for it, (_, d) in zip(arc, B.load_docs("arc_easy", data)) if d["answerKey"] == "3"]
     assert numeric and all(it.label == 2 for it in numeric)  # numeric key "3" -> third choice
     assert {len(it.choices) for it in arc} == {3, 4, 5}
-    hs = T.load_items("hellaswag", data)[0]
+    hs = B.load_items("hellaswag", data)[0]
     assert hs.query.startswith("Pole vault: Pole vault is a sport") and hs.query.endswith("A few women")
     assert hs.label == 3 and len(hs.choices) == 4
 
@@ -90,7 +90,7 @@ def test_real_items_parse_as_lm_eval_prompts_them(data):
 def test_hellaswag_prompt_hand_built():
     doc = {"activity_label": "Home and Garden", "ctx_a": "[header] How to plant  a tree [title] Dig.",
            "ctx_b": "then You WATER it", "endings": [" [step] Water it. ", "Stop [title] now"], "label": "1"}
-    q, choices, label = T.TASKS["hellaswag"].prompt(doc)
+    q, choices, label = B.BENCHMARKS["hellaswag"].prompt(doc)
     # capitalize() upper-cases the first letter of ctx_b and lower-cases the rest, like lm-eval.
     assert q == "Home and Garden: How to plant a tree. Dig. Then you water it"
     assert choices == [" Water it.", "Stop. now"] and label == 1  # strip happens before tag removal
@@ -106,18 +106,18 @@ def test_hellaswag_all_shared_items_equal_lm_eval_process_docs(data):
     spec = importlib.util.spec_from_file_location("lm_eval_hellaswag_utils", path)
     utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(utils)
-    docs = [d for _, d in T.load_docs("hellaswag", data)]
+    docs = [d for _, d in B.load_docs("hellaswag", data)]
     theirs = utils.process_docs(datasets.Dataset.from_list(docs))
-    ours = T.load_items("hellaswag", data)
+    ours = B.load_items("hellaswag", data)
     assert [(d["query"], tuple(d["choices"]), d["gold"]) for d in theirs] == \
         [(it.query, it.choices, it.label) for it in ours]
 
 
 def test_arc_and_piqa_prompts_hand_built():
-    q, ch, lab = T.TASKS["arc_easy"].prompt({"question": "Q?", "choices": {"text": ["x", "y", "z"],
+    q, ch, lab = B.BENCHMARKS["arc_easy"].prompt({"question": "Q?", "choices": {"text": ["x", "y", "z"],
                                              "label": ["1", "2", "3"]}, "answerKey": "2"})
     assert (q, ch, lab) == ("Question: Q?\nAnswer:", ["x", "y", "z"], 1)
-    q, ch, lab = T.TASKS["piqa"].prompt({"goal": "G", "sol1": "a", "sol2": "b", "label": 1})
+    q, ch, lab = B.BENCHMARKS["piqa"].prompt({"goal": "G", "sol1": "a", "sol2": "b", "label": 1})
     assert (q, ch, lab) == ("Question: G\nAnswer:", ["a", "b"], 1)
 
 
@@ -126,12 +126,40 @@ def _write(path: Path, lines: list) -> None:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
 
 
+def test_one_record_is_all_a_new_benchmark_needs(tmp_path, monkeypatch):
+    """Loading, checking, prompting and scoring dispatch only through the Benchmark record."""
+    def read(files, errors):
+        return [(f"{files[0]}:{n}", {"q": q, "a": a, "b": b, "gold": g}) for n, (q, a, b, g)
+                in enumerate(json.loads(files[0].read_text()), 1)]
+
+    def check(doc):
+        if doc["gold"] not in (0, 1):
+            raise ValueError(f"gold {doc['gold']!r} is not 0 or 1")
+
+    toy = B.Benchmark("toy_qa", lambda d: (f"Q: {d['q']}", [d["a"], d["b"]], d["gold"]), check, read,
+                      lambda ex, i, info: {}, "validation", "none.yaml",
+                      {"validation": [("toy/val.json",)]}, "toy_qa", "write DATA/toy/val.json")
+    monkeypatch.setitem(B.BENCHMARKS, "toy_qa", toy)
+    _write(tmp_path / "toy/val.json", [[["x", "aa", "bbbbbb", 0], ["y", "cccc", "dd", 1]]])
+    items = B.load_items("toy_qa", tmp_path)
+    assert [(it.benchmark, it.id, it.query, it.choices, it.label) for it in items] == [
+        ("toy_qa", "0", "Q: x", ("aa", "bbbbbb"), 0), ("toy_qa", "1", "Q: y", ("cccc", "dd"), 1)]
+    # uniform model: acc picks the shorter choice (index 0, then 1) -> both right
+    res = score.evaluate(uniform_apply, {}, ByteVocab(), "toy_qa", str(tmp_path), None, max_len=64)
+    assert res["toy_qa"]["n"] == 2 and res["toy_qa"]["acc"] == 1.0
+    _write(tmp_path / "toy/val.json", [[["x", "aa", "b", 2]]])
+    with pytest.raises(B.MalformedItem, match=r"val.json:1: gold 2 is not 0 or 1"):
+        B.load_items("toy_qa", tmp_path)
+    with pytest.raises(B.DataNotFound, match=r"To obtain it: write .*/toy/val.json"):
+        B.load_items("toy_qa", tmp_path / "absent")
+
+
 def test_malformed_items_are_reported_with_line_numbers(tmp_path):
     _write(tmp_path / "piqa/valid.jsonl", [{"goal": "g", "sol1": "a", "sol2": "b"}] * 2
            + [{"goal": "g", "sol1": "a"}, {"goal": "g", "sol1": "a", "sol2": "b"}])
     (tmp_path / "piqa/valid-labels.lst").write_text("0\n1\n0\n2\n")
-    with pytest.raises(T.MalformedItem) as e:
-        T.load_items("piqa", tmp_path)
+    with pytest.raises(B.MalformedItem) as e:
+        B.load_items("piqa", tmp_path)
     msg = str(e.value)
     assert "2 malformed" in msg and "valid.jsonl:3" in msg and "'sol2'" in msg
     assert "valid.jsonl:4" in msg and "label '2' is not 0 or 1" in msg
@@ -139,31 +167,31 @@ def test_malformed_items_are_reported_with_line_numbers(tmp_path):
                                                              {"text": "y", "label": "B"}]}, "answerKey": "B"}
     _write(tmp_path / "arc/ARC-Easy-Test.jsonl", [good, dict(good, answerKey="E"), "{not json",
                                                  {"id": "b", "question": {"choices": []}, "answerKey": "A"}])
-    with pytest.raises(T.MalformedItem) as e:
-        T.load_items("arc_easy", tmp_path)
+    with pytest.raises(B.MalformedItem) as e:
+        B.load_items("arc_easy", tmp_path)
     msg = str(e.value)
     assert ("ARC-Easy-Test.jsonl:2: answerKey 'E'" in msg and "ARC-Easy-Test.jsonl:3: not valid JSON" in msg
             and "ARC-Easy-Test.jsonl:4: missing field 'stem'" in msg)
     hs = {"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x", "y"], "label": 1}
     _write(tmp_path / "hellaswag/hellaswag_val.jsonl", [hs, dict(hs, label=4)])
-    with pytest.raises(T.MalformedItem, match=r"hellaswag_val.jsonl:2: label 4 is not an index"):
-        T.load_items("hellaswag", tmp_path)
+    with pytest.raises(B.MalformedItem, match=r"hellaswag_val.jsonl:2: label 4 is not an index"):
+        B.load_items("hellaswag", tmp_path)
 
 
 def test_absent_data_says_where_and_how(tmp_path, monkeypatch):
-    with pytest.raises(T.DataNotFound) as e:
-        T.load_items("arc_challenge", tmp_path)
+    with pytest.raises(B.DataNotFound) as e:
+        B.load_items("arc_challenge", tmp_path)
     msg = str(e.value)
     assert str(tmp_path / "arc/ARC-Challenge-Test.jsonl") in msg and "ARC-V1-Feb2018.zip" in msg
     assert "tfds.builder('ai2_arc/ARC-Challenge'" in msg and "(TFDS)" in msg
-    monkeypatch.delenv(T.ENV_DATA, raising=False)
-    with pytest.raises(T.DataNotFound, match="--data_dir PATH or set \\$DILOCO_EVAL_DATA"):
-        T.load_items("piqa", None)
-    monkeypatch.setenv(T.ENV_DATA, str(tmp_path))
-    with pytest.raises(T.DataNotFound, match="piqa/valid-labels.lst"):
-        T.load_items("piqa", None)
+    monkeypatch.delenv(B.ENV_DATA, raising=False)
+    with pytest.raises(B.DataNotFound, match="--data_dir PATH or set \\$DILOCO_EVAL_DATA"):
+        B.load_items("piqa", None)
+    monkeypatch.setenv(B.ENV_DATA, str(tmp_path))
+    with pytest.raises(B.DataNotFound, match="piqa/valid-labels.lst"):
+        B.load_items("piqa", None)
     with pytest.raises(ValueError, match="unknown task"):
-        T.parse_tasks("piqa,mmlu")
+        B.parse_benchmarks("piqa,mmlu")
 
 
 def test_tfds_layout_is_read(tmp_path):
@@ -187,7 +215,7 @@ def test_tfds_layout_is_read(tmp_path):
                 yield i, {"id": f"p{i}", "goal": f"goal {i}", "sol1": "a", "sol2": "é", "label": i % 2}
 
     Piqa(data_dir=str(tmp_path)).download_and_prepare()
-    items = sorted(T.load_items("piqa", tmp_path), key=lambda it: it.id)  # TFDS stores hash order
+    items = sorted(B.load_items("piqa", tmp_path), key=lambda it: it.id)  # TFDS stores hash order
     assert [(it.id, it.query, it.choices, it.label) for it in items] == [
         (f"p{i}", f"Question: goal {i}\nAnswer:", ("a", "é"), i % 2) for i in range(3)]
 
@@ -311,7 +339,7 @@ def test_native_and_lm_eval_adapter_agree_item_by_item(tmp_path, data, tiny):
     res = lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, num_fewshot=0, log_samples=True,
                                   task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
     for task in ("hellaswag", "piqa", "arc_easy"):
-        items = T.load_items(task, data, limit)
+        items = B.load_items(task, data, limit)
         rows = score.score_items(apply_fn, params, vocab, items, [it.query for it in items], max_len, 16)
         samples = sorted(res["samples"][f"{task}_local"], key=lambda s: s["doc_id"])
         assert len(samples) == len(rows) == limit
@@ -344,11 +372,11 @@ def test_fewshot_contexts_match_lm_eval_sampler(tmp_path, data):
     names = lm_adapter.write_local_tasks(data, tmp_path, ["arc_easy"])
     res = lm_eval.simple_evaluate(model=Constant(), tasks=names, limit=5, num_fewshot=3, fewshot_random_seed=7,
                                   task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
-    items = T.load_items("arc_easy", data, 5)
-    ours = T.fewshot_contexts("arc_easy", items, data, 3, seed=7)
+    items = B.load_items("arc_easy", data, 5)
+    ours = B.fewshot_contexts("arc_easy", items, data, 3, seed=7)
     theirs = [s["arguments"][0][0] for s in sorted(res["samples"]["arc_easy_local"], key=lambda s: s["doc_id"])]
     assert ours == theirs and ours[0].count("\n\n") == 3
-    assert T.fewshot_contexts("arc_easy", items, data, 3, seed=8) != ours
+    assert B.fewshot_contexts("arc_easy", items, data, 3, seed=8) != ours
 
 
 def test_loglikelihood_rolling_uniform():

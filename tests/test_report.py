@@ -49,7 +49,9 @@ def test_tables_hold_ours_beside_the_paper(runs, tmp_path):
                         dp["bytes_exchanged_total"] / strm["bytes_exchanged_total"])
     assert by.dp_total_over_ours["streaming_ovl_fp4_h30"] > 1  # fewer bytes than DP, as the paper says
     md = (tmp_path / "out" / "table5_c4_scaling.md").read_text()
-    assert "| scale | method |" in md and "streaming_ovl_fp4_h30" in md
+    header = next(l for l in md.splitlines() if l.startswith("|"))
+    assert [c.strip() for c in header.strip("|").split("|")][:2] == ["scale", "method"]
+    assert "streaming_ovl_fp4_h30" in md
 
 
 def test_which_params_from_the_checkpoint(runs):
@@ -87,3 +89,19 @@ def test_failed_and_unfinished_runs_are_listed(runs, tmp_path):
 
 def test_bad_root_is_a_clear_error(tmp_path):
     assert report.main(["--root", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+
+
+def md_rows(md: str) -> list[list[str]]:
+    """The cells of a pipe table, header first, the alignment row dropped."""
+    rows = [[c.strip() for c in l.strip().strip("|").split("|")] for l in md.splitlines() if l.startswith("|")]
+    assert set("".join(rows[1])) <= set(":-"), rows[1]
+    return [rows[0]] + rows[2:]
+
+
+def test_markdown_table_cells_are_formatted_once():
+    df = pd.DataFrame({"method": ["dp", "streaming_ovl_fp4_h30"], "loss": [3.14159, float("nan")],
+                       "bytes": [2e7, 1234.0], "tiny": [0.0001234, 150.25]})
+    assert md_rows(report.markdown(df)) == [["method", "loss", "bytes", "tiny"],
+                                            ["dp", "3.1416", "20000000", "0.0001234"],
+                                            ["streaming_ovl_fp4_h30", "", "1234", "150.2"]]
+    assert report.markdown(df.iloc[:0]) == "_(no runs)_\n"

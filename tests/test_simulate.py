@@ -49,7 +49,7 @@ def test_overlap_hides_exactly_when_it_fits_in_tau_steps():
     # One layer, H=3, τ=2: the reduction issued after step 3 is needed by step 3 + 1 + 2 = 6,
     # so up to τ·T = 2 s of communication is free and the excess is exposed once per round.
     for tau in (1, 2):
-        method = Method("streaming_overlap", h=3, fragments=1, tau=tau)
+        method = Method("streaming_ovl", h=3, fragments=1, tau=tau)
         assert cu(one_layer(tau * 1.0), method) == pytest.approx(1.0)
         assert cu(one_layer(tau * 1.0 + 0.3), method) == pytest.approx(3 / 3.3)
     assert cu(one_layer(1.0), Method("diloco", h=3)) == pytest.approx(3 / 4)
@@ -93,7 +93,7 @@ def test_trace_has_3l_minus_1_compute_nodes_per_step():
 SMALL = Model("small", layers=12, params=2e9, step_time_s=0.3)
 
 
-@pytest.mark.parametrize("kind", ["dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4"])
+@pytest.mark.parametrize("kind", ["dp", "diloco", "streaming", "streaming_fp4", "streaming_ovl", "streaming_ovl_fp4"])
 def test_cu_never_decreases_with_bandwidth(kind):
     method = make_method(kind, SMALL.layers, h=12)
     cus = [simulate(SMALL, method, float(bw), PAPER).cu for bw in GRID[::2]]
@@ -104,10 +104,10 @@ def test_cu_never_decreases_with_bandwidth(kind):
 @pytest.mark.parametrize("pattern", ["strided", "sequential"])
 def test_cu_never_decreases_with_tau_or_fewer_bits(pattern):
     for bw in (0.3, 1.0, 3.0):
-        by_tau = [simulate(SMALL, make_method("streaming_overlap", 12, h=12, tau=t, pattern=pattern), bw, PAPER).cu
+        by_tau = [simulate(SMALL, make_method("streaming_ovl", 12, h=12, tau=t, pattern=pattern), bw, PAPER).cu
                   for t in range(0, 7)]
         assert all(b >= a - 1e-12 for a, b in zip(by_tau, by_tau[1:]))
-        by_bits = [simulate(SMALL, make_method("streaming_overlap", 12, h=12, bits=b, pattern=pattern), bw, PAPER).cu
+        by_bits = [simulate(SMALL, make_method("streaming_ovl", 12, h=12, bits=b, pattern=pattern), bw, PAPER).cu
                    for b in (32, 16, 8, 4, 2)]
         assert all(b >= a - 1e-12 for a, b in zip(by_bits, by_bits[1:]))
 
@@ -117,7 +117,7 @@ def test_fragments_and_offsets():
     assert [f.tolist() for f in fragment_layers(6, 3, "sequential")] == [[0, 1], [2, 3], [4, 5]]
     assert fragment_offsets(100, 8).tolist() == [0, 12, 25, 38, 50, 62, 75, 88]
     # More fragments than H is allowed (100B at H=30): several fragments share a step.
-    assert cu(MODELS["100B"], make_method("streaming_overlap_fp4", 108, h=30), bw=2.0) > 0
+    assert cu(MODELS["100B"], make_method("streaming_ovl_fp4", 108, h=30), bw=2.0) > 0
 
 
 # --- search and the paper grid ------------------------------------------------------------------
@@ -190,3 +190,18 @@ def test_cli_scale_model(capsys):
     assert main(["--model", "35M", "--step-time", "0.05", "--method", "dp", "--bandwidth", "10", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert 0 < row["cu"] <= 1
+
+
+def test_paper_table_markdown_cells():
+    from diloco.simulate import cli
+
+    cells = [paper.Cell("sd", "1B", "diloco_h100", 100, t, g, g, p, off)
+             for t, g, p, off in ((0.5, 2.0, 2.0, 0), (0.9, 4.0, 3.3, 1))]
+    md = cli.markdown(cells, PAPER, 0.1)
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in md.splitlines() if l.startswith("|")]
+    # main table (header, alignment, one row), then the off-grid table (header, alignment, one row)
+    assert rows[0] == ["model", "method", "H", "50%", "90%", "match"]
+    assert rows[2] == ["1B", "diloco_h100", "100", "2.0 / 2.0", "4.0 / 3.3", "+0 +1"]
+    assert rows[3][:7] == ["model", "method", "target", "ours", "exact", "paper", "off"]
+    assert rows[5][:7] == ["1B", "diloco_h100", "90%", "4.0", "4.000", "3.3", "+1"]
+    assert "## sd: 1 exact, 2 within one grid step, of 2 cells" in md

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from diloco.eval import score, tasks as tasks_lib
+from diloco.eval import benchmarks, score
 
 
 def load_run(workdir: str | Path) -> tuple[Callable, Any, Any, int]:
@@ -24,9 +24,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="diloco eval", description=__doc__)
     ap.add_argument("--workdir", required=True, help="run directory (config.json, ckpt/)")
     ap.add_argument("--tasks", default="hellaswag,piqa,arc_easy,arc_challenge",
-                    help=f"comma-separated subset of {','.join(tasks_lib.TASKS)}")
+                    help=f"comma-separated subset of {','.join(benchmarks.BENCHMARKS)}")
     ap.add_argument("--data_dir", default=None,
-                    help=f"original files or a TFDS data_dir (default: ${tasks_lib.ENV_DATA})")
+                    help=f"original files or a TFDS data_dir (default: ${benchmarks.ENV_DATA})")
     ap.add_argument("--limit", type=int, default=None, help="first N items of each task")
     ap.add_argument("--output", default=None, help="JSONL, one row per item")
     ap.add_argument("--batch_size", type=int, default=32)
@@ -36,14 +36,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no_summary", action="store_true", help="do not merge into summary.json")
     args = ap.parse_args(argv)
     try:
-        names = tasks_lib.parse_tasks(args.tasks)
+        names = benchmarks.parse_benchmarks(args.tasks)
         for t in names:  # data problems before the (slow) checkpoint restore
-            tasks_lib.load_items(t, args.data_dir, args.limit)
+            benchmarks.load_items(t, args.data_dir, args.limit)
         apply_fn, params, vocab, max_len = load_run(args.workdir)
         res = score.evaluate(apply_fn, params, vocab, names, args.data_dir, args.limit,
                              args.max_len or max_len, args.batch_size, args.num_fewshot, args.seed,
                              args.output)
-    except (tasks_lib.DataNotFound, tasks_lib.MalformedItem, FileNotFoundError, ValueError) as e:
+    except (benchmarks.DataNotFound, benchmarks.MalformedItem, FileNotFoundError, ValueError) as e:
         print(f"diloco eval: {e}", file=sys.stderr)
         return 2
     if not args.no_summary:

@@ -18,7 +18,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from diloco.eval import score, tasks as tasks_lib
+from diloco.eval import benchmarks, score
 
 
 @register_model("diloco")
@@ -99,13 +99,13 @@ def write_local_tasks(data_dir: str | os.PathLike | None, out_dir: str | os.Path
     out.mkdir(parents=True, exist_ok=True)
     lm_tasks = Path(lm_eval.__file__).resolve().parent / "tasks"
     names = []
-    for task in tasks or list(tasks_lib.TASKS):
-        spec = tasks_lib.TASKS[task]
+    for task in tasks or list(benchmarks.BENCHMARKS):
+        spec = benchmarks.BENCHMARKS[task]
         files = {}
         for split in dict.fromkeys([spec.eval_split, "train", "validation"]):
             try:
-                docs = tasks_lib.load_docs(task, data_dir, split)
-            except tasks_lib.DataNotFound:
+                docs = benchmarks.load_docs(task, data_dir, split)
+            except benchmarks.DataNotFound:
                 if split == spec.eval_split:
                     raise
                 continue

@@ -15,17 +15,17 @@ import tempfile
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from diloco.eval import lm_adapter  # registers "diloco"
-    from diloco.eval import tasks as tasks_lib
+    from diloco.eval import benchmarks
 
     if "--local_data" in argv:
         i = argv.index("--local_data")
         data_dir, argv = argv[i + 1], argv[:i] + argv[i + 2:]
         available = []
-        for t in tasks_lib.TASKS:
+        for b in benchmarks.BENCHMARKS.values():
             try:
-                tasks_lib.locate(t, tasks_lib.resolve_data_dir(data_dir), tasks_lib.TASKS[t].eval_split)
-                available.append(t)
-            except tasks_lib.DataNotFound:
+                benchmarks.locate(b.name, benchmarks.resolve_data_dir(data_dir), b.eval_split)
+                available.append(b.name)
+            except benchmarks.DataNotFound:
                 pass
         out = tempfile.mkdtemp(prefix="diloco_lm_eval_tasks_")
         names = lm_adapter.write_local_tasks(data_dir, out, available)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from diloco.eval import tasks as tasks_lib
+from diloco.eval import benchmarks
 from diloco.rundir import atomic_write_text, write_jsonl
 
 ApplyFn = Callable[[Any, Any], Any]
@@ -128,7 +128,7 @@ def aggregate(rows: Sequence[dict]) -> dict[str, float]:
     return out
 
 
-def score_items(apply_fn: ApplyFn, params: Any, vocab: Any, items: Sequence[tasks_lib.Item],
+def score_items(apply_fn: ApplyFn, params: Any, vocab: Any, items: Sequence[benchmarks.Item],
                 contexts: Sequence[str], max_len: int, batch_size: int = 32) -> list[dict]:
     """One row per item: task, id, loglikelihoods, continuation_bytes, label, pred, pred_norm…"""
     pairs, spans = [], []
@@ -140,7 +140,7 @@ def score_items(apply_fn: ApplyFn, params: Any, vocab: Any, items: Sequence[task
     for it, (s, n) in zip(items, spans):
         lls = [ll for ll, _ in out[s:s + n]]
         m = item_metrics(lls, it.choices, it.label)
-        rows.append({"task": it.task, "id": it.id, "loglikelihoods": lls,
+        rows.append({"task": it.benchmark, "id": it.id, "loglikelihoods": lls,
                      "continuation_bytes": [len(c.encode("utf-8")) for c in it.choices],
                      "continuation_chars": [len(c) for c in it.choices],
                      "label": it.label, "pred": m["pred"], "pred_norm": m["pred_norm"],
@@ -157,13 +157,13 @@ def evaluate(apply_fn: ApplyFn, params: Any, vocab: Any, tasks: list[str] | str,
     data_dir: original files or a TFDS data_dir (None: $DILOCO_EVAL_DATA). output: a JSONL with
     one row per item. Raises DataNotFound / MalformedItem rather than reporting a zero.
     """
-    names = tasks_lib.parse_tasks(tasks)
-    loaded = {t: tasks_lib.load_items(t, data_dir, limit) for t in names}  # fail before scoring
+    names = benchmarks.parse_benchmarks(tasks)
+    loaded = {t: benchmarks.load_items(t, data_dir, limit) for t in names}  # fail before scoring
     results, all_rows = {}, []
     for t in names:
         items = loaded[t]
         t0 = time.perf_counter()
-        contexts = tasks_lib.fewshot_contexts(t, items, data_dir, num_fewshot, seed)
+        contexts = benchmarks.fewshot_contexts(t, items, data_dir, num_fewshot, seed)
         rows = score_items(apply_fn, params, vocab, items, contexts, max_len, batch_size)
         results[t] = dict(aggregate(rows), num_fewshot=num_fewshot,
                           items_per_s=len(items) / max(time.perf_counter() - t0, 1e-9))

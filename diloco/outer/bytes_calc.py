@@ -30,8 +30,8 @@ import re
 
 from diloco.errors import ConfigError
 from diloco.outer import codecs
+from diloco.outer.methods import METHODS, num_fragments
 
-METHODS = ("dp", "diloco", "streaming")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 DEFAULT_CODEC = {"diloco": "none", "streaming": "e3m0"}
 
@@ -93,7 +93,8 @@ def calc(*, params: int, layers: int, tokens: int, batch: int, seq_len: int, met
         raise ConfigError("dp_dtype", f"unknown dtype {dp_dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
     for field, v in (("params", params), ("layers", layers), ("tokens", tokens), ("batch", batch),
                      ("seq_len", seq_len), ("H", H), ("replicas", replicas),
-                     ("layers_per_fragment", layers_per_fragment)):
+                     ("layers_per_fragment", layers_per_fragment),
+                     *((("fragments", fragments),) if fragments is not None else ())):
         if v < 1:
             raise ConfigError(field, f"{field}={v} must be >= 1")
     steps = tokens // (batch * seq_len)
@@ -111,12 +112,8 @@ def calc(*, params: int, layers: int, tokens: int, batch: int, seq_len: int, met
                    syncs=steps, bytes_per_sync=[dp_step], peak_bytes_per_sync=dp_step,
                    total_bytes_per_replica=dp_total)
     else:
-        if method == "diloco":
-            P = 1
-        else:
-            P = fragments if fragments is not None else max(1, math.ceil(layers / layers_per_fragment))
-            if not 1 <= P <= layers:
-                raise ConfigError("fragments", f"fragments={P} must be in [1, layers={layers}]")
+        P = 1 if method == "diloco" else num_fragments(
+            layers, layers_per_fragment if fragments is None else 0, fragments or 0)
         name = codec if codec is not None else DEFAULT_CODEC[method]
         if bits is None and name not in codecs.ALL_NAMES:
             raise ConfigError("codec", f"unknown codec {name!r}; valid: {', '.join(codecs.CODEC_NAMES)}")

@@ -11,7 +11,6 @@ blocks are stacked by nn.scan. `flatten` gathers them into one fp32 vector; `unf
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
@@ -20,29 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco.errors import ConfigError
+from diloco.outer.methods import num_fragments
 
 PATTERNS = ("sequential", "strided")
-EMBED_RULES = ("first", "last", "own")
 _BLOCK_RE = re.compile(r"^block_(\d+)$")
-
-
-def num_fragments(layers: int, layers_per_fragment: int = 0, fragments: int = 0, embed_fragment: str = "first") -> int:
-    """Total fragment count P (including an `own` embedding fragment)."""
-    if fragments and layers_per_fragment:
-        raise ConfigError("fragments", "set either fragments or layers_per_fragment, not both (the other = 0)")
-    if fragments:
-        P = fragments
-    elif layers_per_fragment:
-        if layers_per_fragment < 1:
-            raise ConfigError("layers_per_fragment", f"{layers_per_fragment} must be ≥ 1")
-        P = math.ceil(layers / layers_per_fragment)
-    else:
-        P = 1
-    if not 1 <= P <= layers:
-        raise ConfigError("fragments", f"P={P} fragments for {layers} transformer blocks: must be 1…{layers}")
-    if embed_fragment not in EMBED_RULES:
-        raise ConfigError("embed_fragment", f"{embed_fragment!r} is not one of {EMBED_RULES}")
-    return P + (embed_fragment == "own")
 
 
 def block_fragment(i: int, layers: int, P: int, pattern: str) -> int:

@@ -1,6 +1,6 @@
 """`diloco simulate`: compute utilisation of DP / DiLoCo / Streaming DiLoCo over a WAN link.
 
-  diloco simulate --model 10B --method streaming_overlap_fp4 --bandwidth 1,2,5
+  diloco simulate --model 10B --method streaming_ovl_fp4 --bandwidth 1,2,5
   diloco simulate --model custom --layers 80 --params 70B --step-time 3 --method diloco --target-cu 95
   diloco simulate --paper-table --out results/simulator        # [SD] Table 4 + [EU] + [SL] rows
   diloco simulate --plots results/simulator                      # Fig. 4, Fig. 9, Fig. 3
@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from diloco.errors import ConfigError
+from diloco.outer import methods
 from diloco.simulate import analytic, paper
 from diloco.simulate.dag import Assumptions, Method, Model, simulate
 from diloco.simulate.presets import (
     CALIBRATIONS,
-    METHODS,
     MODELS,
     PATTERNS,
     allreduce_factor,
@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation (default 0.6, as the paper)")
     g.add_argument("--vocab-size", type=int, default=32000)
     g = ap.add_argument_group("method")
-    g.add_argument("--method", default="streaming_overlap_fp4", help="|".join(METHODS))
+    g.add_argument("--method", default="streaming_ovl_fp4", help="|".join(methods.VARIANTS) + " (diloco/outer/methods.py)")
     g.add_argument("--h", type=int, default=100, help="inner steps per outer round H (default 100)")
     g.add_argument("--fragments", type=int, help="number of fragments P (default: layers / layers-per-fragment)")
     g.add_argument("--layers-per-fragment", type=int, default=3)
@@ -299,16 +299,17 @@ def markdown(cells: list[paper.Cell], a: Assumptions, secs: float) -> str:
         s = paper.score(sub)
         lines += ["", f"## {src}: {s['exact']} exact, {s['within_one']} within one grid step, of {s['total']} cells", ""]
         targets = sorted({c.target_cu for c in sub})
-        lines.append("| model | method | H | " + " | ".join(f"{100 * t:g}%" for t in targets) + " | match |")
-        lines.append("|---|---|---|" + "---|" * len(targets) + "---|")
         groups: dict[tuple, list[paper.Cell]] = {}
         for c in sub:
             groups.setdefault((c.model, c.method, c.h), []).append(c)
+        rows = []
         for (model, method, h), cs in groups.items():
             by_t = {c.target_cu: c for c in cs}
-            vals = [f"{paper.fmt(by_t[t].gbit_per_s)} / {paper.fmt(by_t[t].paper_gbit_per_s)}" if t in by_t else "" for t in targets]
-            offs = " ".join(f"{c.steps_off:+d}" for c in cs)
-            lines.append(f"| {model} | {method} | {h or ''} | " + " | ".join(vals) + f" | {offs} |")
+            rows.append({"model": model, "method": method, "H": h or "",
+                         **{f"{100 * t:g}%": f"{paper.fmt(by_t[t].gbit_per_s)} / {paper.fmt(by_t[t].paper_gbit_per_s)}"
+                            if t in by_t else "" for t in targets},
+                         "match": " ".join(f"{c.steps_off:+d}" for c in cs)})
+        lines.append(_md(rows))
         lines += misses(sub, a)
     return "\n".join(lines) + "\n"
 
@@ -323,9 +324,7 @@ def misses(cells: list[paper.Cell], a: Assumptions) -> list[str]:
     off = [c for c in cells if c.steps_off != 0]
     if not off:
         return []
-    out = ["", "Cells off the paper's grid point (exact = our bisection threshold; the last column is the "
-           "traffic factor range that would put this cell on the paper's value, all else equal):", "",
-           "| model | method | target | ours | exact | paper | off | factor range that matches |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for c in off:
         rng = ""
         if a.latency_s == 0 and math.isfinite(c.exact_gbit_per_s):
@@ -334,9 +333,19 @@ def misses(cells: list[paper.Cell], a: Assumptions) -> list[str]:
             hi = GRID[max(ks)]
             f = a.allreduce_factor / c.exact_gbit_per_s
             rng = f"({lo * f:.3f}, {hi * f:.3f}]"
-        out.append(f"| {c.model} | {c.method} | {100 * c.target_cu:g}% | {paper.fmt(c.gbit_per_s)} | "
-                   f"{c.exact_gbit_per_s:.3f} | {paper.fmt(c.paper_gbit_per_s)} | {c.steps_off:+d} | {rng} |")
-    return out
+        rows.append({"model": c.model, "method": c.method, "target": f"{100 * c.target_cu:g}%",
+                     "ours": paper.fmt(c.gbit_per_s), "exact": f"{c.exact_gbit_per_s:.3f}",
+                     "paper": paper.fmt(c.paper_gbit_per_s), "off": f"{c.steps_off:+d}",
+                     "factor range that matches": rng})
+    return ["", "Cells off the paper's grid point (exact = our bisection threshold; the last column is the "
+            "traffic factor range that would put this cell on the paper's value, all else equal):", "", _md(rows)]
+
+
+def _md(rows: list[dict]) -> str:
+    """A markdown table of already formatted cells (pandas + tabulate; numbers are not re-parsed)."""
+    import pandas as pd  # lazy: the simulator's other paths do not need pandas
+
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
 
 
 def write_plots(folder: Path, a: Assumptions) -> int:
@@ -347,8 +356,8 @@ def write_plots(folder: Path, a: Assumptions) -> int:
     print(plots.plot_cu_vs_tau(folder / "fig9_cu_vs_tau_100B.png", a=a))
     print(plots.plot_gantt(folder / "fig3_gantt_toy.png", plots.toy_gantt_runs(), PHYSICAL, steps=4))
     m = MODELS["1B"]
-    runs = [(f"1B, {plots.LABELS[k]}, 2 Gbit/s" if k != "dp" else "1B, Data-Parallel, 100 Gbit/s", m,
-             make_method(k, m.layers, h=100), 100.0 if k == "dp" else 2.0) for k in plots.LABELS]
+    runs = [(f"1B, {methods.VARIANTS[k].title}, {'100' if k == 'dp' else '2'} Gbit/s", m,
+             make_method(k, m.layers, h=100), 100.0 if k == "dp" else 2.0) for k in methods.PAPER_VARIANTS]
     print(plots.plot_gantt(folder / "fig3_gantt_1B.png", runs, a, steps=3, first=99))
     return 0
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import re
 from pathlib import Path
 
 from diloco.errors import ConfigError
+from diloco.outer import methods
 from diloco.simulate import analytic
 from diloco.simulate.dag import Assumptions, Method, Model
 from diloco.simulate.presets import MODELS, PAPER, make_method
@@ -60,18 +60,9 @@ def read_rows(path: str | Path | None = None, sources: tuple[str, ...] = ("sd", 
 
 
 def method_for(label: str, h: int | None, model: Model) -> Method:
-    """CSV method label -> simulator Method (3 layers per fragment, τ=1 when overlapped)."""
-    base = re.sub(r"_h\d+$", "", label)
-    kind = {
-        "data_parallel": "dp",
-        "diloco": "diloco",
-        "streaming": "streaming",
-        "streaming_ovl": "streaming_overlap",
-        "streaming_ovl_fp4": "streaming_overlap_fp4",
-    }.get(base)
-    if kind is None:
-        raise ConfigError("method", f"no simulator method for paper label {label!r}")
-    return make_method(kind, model.layers, h=h or 1)
+    """CSV method label -> simulator Method of its variant (3 layers per fragment, τ=1 when overlapped)."""
+    variant, _ = methods.from_paper_label(label)
+    return make_method(variant.name, model.layers, h=h or 1)
 
 
 def steps_off(ours: int, row: dict) -> int:

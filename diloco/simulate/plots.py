@@ -6,16 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from diloco.outer import methods
 from diloco.simulate.dag import Assumptions, Method, Model, compute_utilisation, simulate
 from diloco.simulate.presets import MODELS, PAPER, make_method
 
-LABELS = {
-    "dp": "Data-Parallel",
-    "diloco": "DiLoCo",
-    "streaming": "Streaming DiLoCo",
-    "streaming_overlap": "Streaming + overlapped com.",
-    "streaming_overlap_fp4": "Streaming + overlapped FP4 com.",
-}
 COLORS = {"fwd": "#4c72b0", "bwd_act": "#8fd18f", "bwd_param": "#2a7a2a", "reduce": "#8e44ad"}
 
 
@@ -40,8 +34,8 @@ def plot_cu_vs_bandwidth(path: str | Path, models=("1B", "10B", "100B"), h: int 
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), sharey=True)
     for ax, name in zip(np.atleast_1d(axes), models):
         m = MODELS[name]
-        for kind, label in LABELS.items():
-            ax.plot(bws, cu_curve(m, make_method(kind, m.layers, h=h), bws, a), label=label)
+        for kind in methods.PAPER_VARIANTS:
+            ax.plot(bws, cu_curve(m, make_method(kind, m.layers, h=h), bws, a), label=methods.VARIANTS[kind].title)
         ax.set(xscale="log", xlabel="WAN bandwidth (Gbit/s)", title=f"{name} ({m.layers} layers, {m.step_time_s} s/step)")
         ax.grid(True, which="both", alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel("compute utilisation")
@@ -58,7 +52,7 @@ def plot_cu_vs_tau(
     plt = _plt()
     m = MODELS[model]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for kind, style, bandwidths in (("streaming_overlap_fp4", "-", fp4_bandwidths), ("streaming_overlap", "--", bf16_bandwidths)):
+    for kind, style, bandwidths in (("streaming_ovl_fp4", "-", fp4_bandwidths), ("streaming_ovl", "--", bf16_bandwidths)):
         for bw in bandwidths:
             cus = [compute_utilisation(m, make_method(kind, m.layers, h=h, tau=t), bw, a) for t in taus]
             ax.plot(list(taus), cus, style, marker="o", ms=3, label=f"{'FP4' if 'fp4' in kind else 'bf16'}, {bw:g} Gbit/s")
@@ -103,7 +97,7 @@ def toy_gantt_runs() -> list[tuple[str, Model, Method, float]]:
         ("Data-Parallel", m, Method("dp"), 1.0),
         ("DiLoCo, H=2", m, Method("diloco", h=2), 1.0),
         ("Streaming DiLoCo, 2 fragments of 1 layer, H=2", m, Method("streaming", h=2, fragments=2), 1.0),
-        ("Streaming DiLoCo + overlap τ=1", m, Method("streaming_overlap", h=2, fragments=2, tau=1), 1.0),
+        ("Streaming DiLoCo + overlap τ=1", m, Method("streaming_ovl", h=2, fragments=2, tau=1), 1.0),
     ]
 
 

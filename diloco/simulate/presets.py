@@ -1,14 +1,13 @@
-"""Named models, methods and assumption sets of the papers' simulator runs."""
+"""Named models and assumption sets of the papers' simulator runs; methods come from diloco/outer/methods.py."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 from diloco.errors import ConfigError
+from diloco.outer import methods
 from diloco.simulate.dag import PATTERNS, Assumptions, Method, Model
 
-METHODS = ("dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
 CALIBRATIONS = ("paper", "physical")
 
 # [SD] Table 4 (1B/10B/100B) and [SL] Table 6 models; params are the nominal sizes.
@@ -48,34 +47,31 @@ def make_method(
     layers: int,
     h: int = 100,
     fragments: int | None = None,
-    layers_per_fragment: int = 3,
+    layers_per_fragment: int | None = None,
     tau: int | None = None,
     bits: float | None = None,
     pattern: str = "strided",
 ) -> Method:
-    """Method from a CLI kind; Streaming defaults: ceil(layers / 3) fragments, τ=1 when overlapped."""
-    if kind not in METHODS:
-        raise ConfigError("method", f"{kind!r}; valid: {', '.join(METHODS)}")
+    """Method of a variant of diloco/outer/methods.py (or an alias); None arguments take the
+    variant's values: Streaming ceil(layers / 3) fragments, τ=1 when overlapped, 4 bits for FP4."""
+    v = methods.get(kind)
     if pattern not in PATTERNS:
         raise ConfigError("pattern", f"{pattern!r}; valid: {', '.join(PATTERNS)}")
-    if kind == "dp":
-        return Method("dp", h=1, fragments=1, tau=0, bits=bits)
-    if kind == "diloco":
-        return Method("diloco", h=h, fragments=1, tau=0 if tau is None else tau, bits=bits)
+    if v.method == "dp":
+        return Method(v.name, h=1, fragments=1, tau=0, bits=bits)
+    if v.method == "diloco":
+        return Method(v.name, h=h, fragments=1, tau=0 if tau is None else tau, bits=bits)
     if fragments is None:
-        if layers_per_fragment < 1:
-            raise ConfigError("layers_per_fragment", f"{layers_per_fragment} must be >= 1")
-        fragments = math.ceil(layers / layers_per_fragment)
-    if kind == "streaming":
-        default_tau, default_bits = 0, None
-    else:
-        default_tau, default_bits = 1, (4.0 if kind == "streaming_overlap_fp4" else None)
+        lpf = v.layers_per_fragment if layers_per_fragment is None else layers_per_fragment
+        if lpf < 1:
+            raise ConfigError("layers_per_fragment", f"{lpf} must be >= 1")
+        fragments = methods.num_fragments(layers, lpf)
     return Method(
-        kind,
+        v.name,
         h=h,
         fragments=fragments,
-        tau=default_tau if tau is None else tau,
-        bits=default_bits if bits is None else bits,
+        tau=v.tau if tau is None else tau,
+        bits=v.bits if bits is None else bits,
         pattern=pattern,
     )
 

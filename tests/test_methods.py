@@ -1,0 +1,85 @@
+"""The one method vocabulary (diloco/outer/methods.py): names, aliases, paper labels, config
+overrides, simulator parameters, and the fragment count."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from diloco.errors import ConfigError
+from diloco.outer import methods
+from experiments import base, common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg(**kw) -> dict:
+    return {**base.get_config().to_dict(), **kw}
+
+
+@pytest.mark.parametrize("kw, label", [
+    (dict(method="dp"), "data_parallel"),
+    (dict(method="diloco", H=30), "diloco_h30"),
+    (dict(method="streaming", H=10, layers_per_fragment=3), "streaming_h10"),
+    (dict(method="streaming", H=30, codec="e3m0"), "streaming_fp4_h30"),
+    (dict(method="streaming", H=10, replica_tau="1,2"), "streaming_ovl_h10"),  # heterogeneous τ overlaps too
+    (dict(method="streaming", H=100, tau=5, alpha=0.0, codec="e3m0"), "streaming_ovl_fp4_h100"),
+    (dict(method="streaming", H=30, tau=1, codec="bf16"), "streaming_ovl_h30"),  # only E3M0 is "fp4"
+])
+def test_paper_label_of_hand_written_configs(kw, label):
+    assert methods.paper_label(cfg(**kw)) == label
+
+
+@pytest.mark.parametrize("name", list(methods.VARIANTS))
+def test_overrides_and_classifier_agree(name):
+    """A config built from a variant's overrides is classified as that variant, and the experiment
+    spec of the same name builds exactly those overrides."""
+    v = methods.VARIANTS[name]
+    assert methods.classify(cfg(H=12, **v.config_overrides())) is v
+    spec = name if not v.takes_h else f"{name}_h12"
+    c = common.method(common.sized(common.new(), "35M"), spec).to_dict()
+    assert {k: c[k] for k in v.config_overrides()} == v.config_overrides()
+    assert methods.label_of(spec) == (v.paper_label if not v.takes_h else f"{v.paper_label}_h12")
+
+
+def test_aliases_are_the_same_variant_in_the_simulator():
+    from diloco.simulate.presets import make_method
+
+    assert methods.get("streaming_overlap_fp4") is methods.VARIANTS["streaming_ovl_fp4"]
+    assert methods.get("streaming_overlap") is methods.VARIANTS["streaming_ovl"]
+    m = make_method("streaming_overlap_fp4", 24, h=100)
+    assert m == make_method("streaming_ovl_fp4", 24, h=100)
+    assert (m.name, m.fragments, m.tau, m.bits) == ("streaming_ovl_fp4", 8, 1, 4.0)  # 24 blocks / 3
+    assert (make_method("streaming", 7).fragments, make_method("streaming", 7).tau) == (3, 0)  # ceil(7/3)
+    assert make_method("streaming_fp4", 24).bits == 4.0 and make_method("diloco", 24).bits is None
+    with pytest.raises(ConfigError, match=r"'streaming_fp4_overlap'; valid: dp, diloco, streaming"):
+        methods.get("streaming_fp4_overlap")
+
+
+def test_every_label_of_the_papers_csv_and_committed_runs_resolves():
+    with open(ROOT / "results/paper/compute_utilization.csv", newline="") as f:
+        labels = {r["method"] for r in csv.DictReader(f) if not r["method"].startswith("streaming_eager")}
+    assert "data_parallel" in labels and "streaming_ovl_fp4_h100" in labels
+    for label in labels:
+        v, H = methods.from_paper_label(label)
+        assert (v.paper_label if H is None else f"{v.paper_label}_h{H}") == label
+    with pytest.raises(ConfigError, match="no method variant for paper label 'streaming_eager_h100'"):
+        methods.from_paper_label("streaming_eager_h100")
+
+
+@pytest.mark.parametrize("bad", ["dp_h3", "diloco", "streaming_ovl_fp4", "streaming_overlap_h3", "foo_h3"])
+def test_experiment_names_are_dp_or_variant_h(bad):
+    with pytest.raises(ValueError, match=rf"method '{bad}': use dp, diloco_h<H>, streaming_h<H>"):
+        common.method(common.new(), bad)
+
+
+def test_num_fragments_hand_counts():
+    assert methods.num_fragments(24, 3) == 8
+    assert methods.num_fragments(7, 3) == 3  # ceil: blocks {0,3,6}, {1,4}, {2,5}
+    assert methods.num_fragments(6) == 1
+    assert methods.num_fragments(6, fragments=4, embed_fragment="own") == 5
+    with pytest.raises(ConfigError, match="not both"):
+        methods.num_fragments(6, 3, 2)
+    with pytest.raises(ConfigError, match=r"P=7 fragments for 6 transformer blocks"):
+        methods.num_fragments(6, fragments=7)
