@@ -283,11 +283,11 @@ def table1(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def which_params_eval(workdir: str) -> dict:
-    """Eval loss of the first replica, the replica average and the outer θ^g from the last checkpoint
-    (cached in which_params.json)."""
+    """Eval loss of the first replica, the replica average and the outer θ^g from the last checkpoint,
+    drained (fragments in flight applied, as for final_eval_loss); cached in which_params.json."""
     wd = Path(workdir)
     cached = _read_json(wd / "which_params.json")
-    if cached:
+    if cached and cached.get("drained_fragments") is not None:  # older caches were not drained
         return cached
     import jax
 
@@ -296,6 +296,9 @@ def which_params_eval(workdir: str) -> dict:
     from diloco.trainer import load_run
 
     cfg, tr, state = load_run(wd)
+    drained = []
+    if tr.driver is not None:  # as at the next sync boundary, like the run's final_eval_loss
+        _, state, drained = tr.driver.drained(state, int(state.step))
     evals = eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R, cfg.eval_batches,
                          data_dir=cfg.data_dir or None)
     ev = tr.eval_fn()
@@ -303,6 +306,7 @@ def which_params_eval(workdir: str) -> dict:
             "replica_average": jax.tree_util.tree_map(lambda x: x.mean(0), state.params),
             "outer_params": tr.eval_params(state)}
     res = {k: float(np.mean([float(ev(p, b)) for b in evals])) for k, p in sets.items()}
+    res["drained_fragments"] = drained
     atomic_write_json(wd / "which_params.json", res)
     return res
 

@@ -159,6 +159,7 @@ class Run:
         self.t0 = time.time() - self.counters.wall_seconds
         self.last_log = (time.time(), self.start)
         self.bar = progress_bar(self.start, cfg.steps, progress)
+        self.shown_eval: float | None = None
 
     # -- pieces of a step ---------------------------------------------------------------------------
     def last_ckpt(self) -> int:
@@ -169,9 +170,16 @@ class Run:
 
         check_pending_finite(state, p, t_send, self.last_ckpt(), finite_R)
 
-    def eval_loss(self) -> float:
-        ev, params = self.tr.eval_fn(), self.tr.eval_params(self.state)
+    def eval_loss(self, state=None) -> float:
+        ev, params = self.tr.eval_fn(), self.tr.eval_params(self.state if state is None else state)
         return float(np.mean([float(ev(params, b)) for b in self.evals]))
+
+    def drained(self, t: int) -> tuple[Any, list[int]]:
+        """(the state as at the next sync boundary: fragments in flight after t applied, those fragments)."""
+        if self.tr.driver is None:
+            return self.state, []
+        self.state, out, frags = self.tr.driver.drained(self.state, t, self.check)
+        return out, frags
 
     def save(self, step: int) -> None:
         self.window.flush()
@@ -219,18 +227,23 @@ class Run:
                "lr": float(self.tr.lr_schedule(t)), "bytes_exchanged": self.counters.bytes_exchanged,
                "seconds": round(self.counters.wall_seconds, 3), "tokens_per_s": round(tok_s, 1)}
         if t % cfg.eval_every == 0 or t == cfg.steps:
-            row["eval_loss"] = self.eval_loss()
+            if cfg.eval_drain == "every" and self.tr.driver is not None:
+                drained, row["drained_fragments"] = self.drained(t)
+                row["eval_loss"], row["eval_loss_undrained"] = self.eval_loss(drained), self.eval_loss()
+            else:
+                row["eval_loss"] = self.eval_loss()
+            self.shown_eval = row["eval_loss"]
         self.run.log(row)
         post = {"loss": f"{row['train_loss'] or float('nan'):.3f}"}
-        if "eval_loss" in row:
-            post["eval"] = f"{row['eval_loss']:.3f}"
+        if self.shown_eval is not None:  # the bar shows an eval loss once there is one
+            post["eval"] = f"{self.shown_eval:.3f}"
         self.bar.set_postfix(**post, tok_s=f"{tok_s:,.0f}")
 
-    def downstream(self, write: bool = True) -> dict:
+    def downstream(self, state=None, write: bool = True) -> dict:
         from diloco.eval import evaluate
 
         cfg = self.cfg
-        res = evaluate(self.tr.apply_fn(), self.tr.eval_params(self.state), self.tr.vocab,
+        res = evaluate(self.tr.apply_fn(), self.tr.eval_params(self.state if state is None else state), self.tr.vocab,
                        [t for t in cfg.downstream.tasks.split(",") if t], cfg.downstream.data_dir or None,
                        cfg.downstream.limit or None, cfg.seq_len)
         if write:
@@ -289,12 +302,14 @@ class Run:
 
         cfg, tr, c = self.cfg, self.tr, self.counters
         sync = tr.sync
+        drained, frags = self.drained(cfg.steps)  # θᵍ as at the next sync boundary
         summary = self.run.summary()
         summary.update({
             "method": cfg.method, "scale": cfg.scale, "steps": cfg.steps, "tokens": cfg.steps * self.tokens_per_step,
-            "final_eval_loss": self.eval_loss(), "bytes_exchanged_total": c.bytes_exchanged,
+            "final_eval_loss": self.eval_loss(drained), "final_eval_loss_undrained": self.eval_loss(),
+            "drained_fragments": frags, "bytes_exchanged_total": c.bytes_exchanged,
             "bytes_peak_per_sync": c.bytes_peak_per_sync, "bytes_per_fragment": c.bytes_per_fragment,
-            "syncs": c.syncs, "params": tr.n_params, "params_sha256": params_sha256(tr.eval_params(self.state)),
+            "syncs": c.syncs, "params": tr.n_params, "params_sha256": params_sha256(tr.eval_params(drained)),
             "wall_seconds": round(c.wall_seconds, 3), "skipped_batches": c.skipped_batches,
             "replicas": cfg.replicas, "H": cfg.H if sync else None,
             "fragments": sync.frags.P if sync else None, "pattern": cfg.pattern if sync else None,
@@ -305,7 +320,7 @@ class Run:
             "versions": versions(),
         })
         if cfg.downstream.tasks:
-            summary["downstream"] = self.downstream(write=False)
+            summary["downstream"] = self.downstream(drained, write=False)
         self.run.write_summary(summary)
         return summary
 

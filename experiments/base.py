@@ -16,6 +16,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.log_every = 10
     c.eval_every = 100
     c.eval_batches = 8
+    # θᵍ evaluated with the fragments still in flight applied (outer step + merge), as at the next
+    # sync boundary: 'final' (the summary's final_eval_loss) or 'every' (every eval row too)
+    c.eval_drain = "final"
     c.checkpoint_every = 100
     c.keep_checkpoints = 2
 

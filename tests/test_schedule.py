@@ -69,3 +69,18 @@ def test_bad_schedules_name_the_field(kw, field):
     with pytest.raises(ConfigError) as e:
         make_schedule(**kw)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("H,P,taus,t,want", [
+    (4, 2, (1, 1), 4, [(0, True, (True, True))]),   # fragment 0 sent after step 4, applied after 5
+    (4, 2, (1, 1), 5, []),
+    (4, 2, (1, 1), 6, [(1, True, (True, True))]),   # offsets 0 and 2
+    (4, 2, (0, 0), 4, []),                          # τ = 0: applied in the send's own step
+    (4, 2, (0, 2), 4, [(0, False, (False, True))]),  # outer step done (min τ = 0); replica 1 merges at 6
+    (4, 2, (0, 2), 5, [(0, False, (False, True))]),
+    (4, 2, (0, 2), 6, [(1, False, (False, True))]),
+    (4, 3, (2, 2), 8, [(0, True, (True, True)), (2, True, (True, True))]),  # offsets 0, 1, 3: p2 sent at 7
+    (4, 1, (3, 3), 2, []),                          # nothing sent yet
+])
+def test_in_flight_after_step(H, P, taus, t, want):
+    assert Schedule(H=H, P=P, taus=taus).in_flight(t) == want

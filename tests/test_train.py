@@ -274,3 +274,28 @@ print("OK")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_drained_evaluation_applies_the_fragments_in_flight_by_hand(tmp_path):
+    """The summary's θᵍ (final_eval_loss, params_sha256) is the checkpoint's θᵍ with each fragment still
+    in flight stepped by its own outer optimizer; the undrained loss is the checkpoint's θᵍ as is."""
+    from diloco.data import eval_batches
+    from diloco.outer.sync import params_sha256
+    from diloco.trainer import load_run
+
+    # tiny: 3 blocks, 1 per fragment (+ embeddings in the first) → P = 3, offsets 0, 1, 3 for H = 4;
+    # after step 8 fragment 0 (sent at 8) and fragment 2 (sent at 7) are in flight with τ = 2
+    cfg = tiny_config("streaming", steps=8, H=4, layers_per_fragment=1, tau=2, codec="e3m0", checkpoint_every=100,
+                      eval_every=100)
+    s = train(cfg, tmp_path, progress=False)
+    assert s["drained_fragments"] == [0, 2]
+    _, tr, st = load_run(tmp_path)
+    outer = st.outer
+    for p in (0, 2):  # OuterSync's own math, compiled as the run compiles it (eager XLA may round differently)
+        outer = jax.jit(lambda o, p=p: tr.sync.update(o, p))(outer)
+    evals = eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    loss = lambda params: float(np.mean([float(tr.eval_fn()(params, jnp.asarray(b))) for b in evals]))
+    assert s["params_sha256"] == params_sha256(outer.params) != params_sha256(st.outer.params)
+    assert s["final_eval_loss"] == pytest.approx(loss(outer.params), rel=1e-6)
+    assert s["final_eval_loss_undrained"] == pytest.approx(loss(st.outer.params), rel=1e-6)
+    assert s["final_eval_loss"] != s["final_eval_loss_undrained"]

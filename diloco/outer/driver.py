@@ -30,7 +30,7 @@ class OuterDriver:
     def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, overlap=None):
         self.sync, self.schedule, self.R, self.overlap = sync, schedule, R, overlap
         self.base_key = jax.random.PRNGKey(seed + 1)
-        self._jit: dict[tuple[str, int], Any] = {}
+        self._jit: dict[tuple[str, int, bool], Any] = {}
 
     @property
     def P(self) -> int:
@@ -40,8 +40,9 @@ class OuterDriver:
         return self.sync.bytes_per_replica(p)
 
     # -- one jitted program per (operation, fragment): 3·P programs, compiled on first use ----------
-    def program(self, kind: str, p: int):
-        if (kind, p) not in self._jit:
+    def program(self, kind: str, p: int, donate: bool = True):
+        """`donate=False`: the state passed in stays valid (drained copies for evaluation)."""
+        if (kind, p, donate) not in self._jit:
             sync = self.sync
             if kind == "send":
                 def f(state, key, contrib_R):
@@ -54,8 +55,8 @@ class OuterDriver:
                     return state.replace(params=sync.merge(state.params, state.outer, p, mask_R))
             else:
                 raise ValueError(f"unknown outer operation {kind!r}")
-            self._jit[(kind, p)] = jax.jit(f, donate_argnums=(0,))
-        return self._jit[(kind, p)]
+            self._jit[(kind, p, donate)] = jax.jit(f, donate_argnums=(0,) if donate else ())
+        return self._jit[(kind, p, donate)]
 
     def key(self, t: int, p: int):
         return jax.random.fold_in(jax.random.fold_in(self.base_key, t), p)
@@ -95,6 +96,20 @@ class OuterDriver:
         if check:
             check(state, p, rec.step, rec.finite_R)
         return state
+
+    def drained(self, state, t: int, check: Check | None = None) -> tuple[Any, Any, list[int]]:
+        """(state with in-flight exchanges landed, a copy as it will be once every fragment in flight
+        after step t is applied — outer step and merges —, those fragments). The first is the run's
+        state; the copy is for evaluation (θᵍ at the next sync boundary) and is never trained on."""
+        state = self.settle(state, check)
+        out, drained = state, []
+        for p, update, mask in self.schedule.in_flight(t):
+            if update:
+                out = self.program("update", p, donate=False)(out)
+            if any(mask):
+                out = self.program("merge", p, donate=False)(out, jnp.asarray(mask))
+            drained.append(p)
+        return state, out, drained
 
     def settle(self, state, check: Check | None = None):
         """Land every exchange still in flight (before a checkpoint or the end of the run)."""

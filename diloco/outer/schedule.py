@@ -61,6 +61,19 @@ class Schedule:
         """Fragments applied at t (homogeneous τ: outer update and merge happen together)."""
         return sorted({p for p, _ in self.merges(t)} | set(self.outer_updates(t)))
 
+    def in_flight(self, t: int) -> list[tuple[int, bool, tuple[bool, ...]]]:
+        """Sends at or before t not yet wholly applied after step t: (fragment, outer update still to
+        come, replicas whose merge is still to come). Empty when τ = 0 (applied in the send's step)."""
+        out = []
+        for d in range(max(self.taus)):  # τ < H: at most one send of a fragment is in flight
+            if t - d < 1:
+                break
+            for p in self.sends(t - d):
+                mask = tuple(d < tau for tau in self.taus)
+                if d < self.tau_min or any(mask):
+                    out.append((p, d < self.tau_min, mask))
+        return sorted(out)
+
     def next_sender(self, t: int) -> int:
         """The fragment whose next send comes first at or after step t (FedPart-style training)."""
         def next_send(p: int) -> int:
