@@ -438,6 +438,7 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
     losses: list[float] = list(got[2].get("pending_losses", [])) if got else []  # since the last metrics row
     last_log_time, last_log_step = time.time(), start
     bar = _progress(start, cfg.steps, progress)
+    shown_eval = None  # the bar shows an eval loss once there is one
     faults = cfg.faults
     contrib = _fault_contrib(cfg) if tr.sync is not None else None
     try:
@@ -500,8 +501,9 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
                 if primary:
                     _append_metrics(metrics_path, row)
                 _tb_log(tb, row)
-                bar.set_postfix(loss=f"{row['train_loss'] or float('nan'):.3f}",
-                                eval=f"{row.get('eval_loss', float('nan')):.3f}", tok_s=f"{tok_s:,.0f}")
+                shown_eval = f"{row['eval_loss']:.3f}" if "eval_loss" in row else shown_eval  # none until the first
+                bar.set_postfix(loss=f"{row['train_loss'] or float('nan'):.3f}", tok_s=f"{tok_s:,.0f}",
+                                **({"eval": shown_eval} if shown_eval else {}))
             if _downstream_due(cfg, t):
                 _run_downstream(tr, state, workdir, cfg, write=primary)
             if t % cfg.checkpoint_every == 0 and t != cfg.steps:
@@ -516,10 +518,8 @@ def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: in
                 if t not in ck.steps():  # a checkpoint step already saved this state
                     state = save(t, state)
                 bar.close()
-                msg = (f"{stop['signal']}: saved a checkpoint at step {t} in {workdir / 'ckpt'}; "
-                       "run the same command to resume")
-                print(msg, file=sys.stderr)
-                raise KeyboardInterrupt(msg)
+                raise KeyboardInterrupt(f"{stop['signal']}: saved a checkpoint at step {t} in {workdir / 'ckpt'}; "
+                                        "run the same command to resume")
         bar.close()
         if not ck.steps() or max(ck.steps()) != cfg.steps:
             state = save(cfg.steps, state)
@@ -744,19 +744,51 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no_progress", action="store_true")
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
+    from diloco.interrupt import prompt_exit
+
+    ckpt = Path(args.workdir) / "ckpt"
+
+    def saved_steps(ckpt: Path) -> set[int]:  # complete checkpoints: orbax renames a step's folder into place
+        try:
+            return {int(p.name) for p in ckpt.iterdir() if p.name.isdigit()}
+        except OSError:
+            return set()
+
+    before = saved_steps(ckpt)
+
+    def on_idle(sig: str) -> str:  # outside the training steps: start-up, or the final evaluation
+        now = saved_steps(ckpt)
+        if not now:
+            return f"diloco train: {sig} during start-up; nothing saved"
+        if now == before:
+            return (f"diloco train: {sig} during start-up; nothing new saved; the checkpoint at step {max(now)} in "
+                    f"{ckpt} is kept: run the same command to resume")
+        return (f"diloco train: {sig} after training; the checkpoint at step {max(now)} is in {ckpt}: "
+                "run the same command to write the summary")
+
+    def on_busy(sig: str) -> str:
+        return (f"diloco train: {sig}: finishing the current step (it may be compiling or evaluating), then "
+                f"saving a checkpoint; send {sig} again to quit without it")
+
+    def on_again(sig: str) -> str:
+        now = saved_steps(ckpt)
+        kept = f"the checkpoint at step {max(now)} in {ckpt} is kept" if now else "nothing saved"
+        return f"diloco train: {sig} again; quit without saving: {kept}" + (": run the same command to resume" if now else "")
 
     try:
-        cfg = load_config(args.config, overrides)
-        summary = train(cfg, args.workdir, progress=not args.no_progress)
+        with prompt_exit(on_idle, on_busy, on_again):
+            cfg = load_config(args.config, overrides)
+            summary = train(cfg, args.workdir, progress=not args.no_progress)
     except ConfigError as e:
         print(f"diloco train: bad input: {e}", file=sys.stderr)
         return 2
     except NumericalFault as e:
         print(f"diloco train: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt as e:
-        print(f"diloco train: interrupted. {e}", file=sys.stderr)
+    except KeyboardInterrupt as e:  # the loop saved a checkpoint and says where
+        print(f"diloco train: {e}" if str(e) else "diloco train: interrupted", file=sys.stderr)
         return 130
     keys = ("method", "steps", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "wall_seconds")
-    print(json.dumps({k: summary[k] for k in keys}))
+    print(json.dumps({k: summary[k] for k in keys}), flush=True)
     return 0
+
