@@ -190,3 +190,16 @@ def test_cli_scale_model(capsys):
     assert main(["--model", "35M", "--step-time", "0.05", "--method", "dp", "--bandwidth", "10", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert 0 < row["cu"] <= 1
+
+
+def test_the_simulator_says_which_parameter_count_it_uses(capsys):
+    """'1B' is the paper's nominal 1e9 (Table 4 is calibrated on it); the header says so and gives ours."""
+    from diloco.model import scales
+    from diloco.simulate import cli
+
+    assert cli.main(["--model", "1B", "--method", "dp", "--bandwidth", "1"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    ours = scales.formula_params("1B", 32_128) / 1e9
+    assert f"1e+09 params (nominal: the paper's Table 4 size; our 1B scale has ≈{ours:.3g}B" in head
+    assert cli.main(["--model", "1B", "--params", f"{ours:.3g}B", "--method", "dp", "--bandwidth", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params_source"] == "--params"

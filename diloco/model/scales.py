@@ -36,7 +36,24 @@ SCALES: dict[str, Scale] = {
     "10B": Scale(48, 4096, 64, 16384, label="10B"),
 }
 
-PAPER_VOCAB = 32_000
+PAPER_VOCAB = 32_000  # the paper's nominal vocabulary; `diloco bytes`/`simulate` formulas use it
+
+# The vocabularies runs use (experiments/): the CPU scales read bytes, the paper's scales the T5
+# SentencePiece model (32,000 pieces + 100 extra ids + 1, as seqio reports it). The trainer pads the
+# embedding to a multiple of VOCAB_PAD rows, which `diloco sizes` counts too.
+TOY_SCALES = ("tiny", "toy", "toy-l")
+BYTE_VOCAB = 259  # seqio.ByteVocabulary: 3 special ids + 256 bytes
+T5_VOCAB = 32_101
+VOCAB_PAD = 128
+
+
+def padded_vocab(n: int) -> int:
+    return -(-n // VOCAB_PAD) * VOCAB_PAD
+
+
+def run_vocab(name: str) -> tuple[str, int]:
+    """(name, ids) of the vocabulary a run at this scale uses by default."""
+    return ("byte", BYTE_VOCAB) if name in TOY_SCALES else ("T5 32k", T5_VOCAB)
 
 
 def label_params(label: str) -> float | None:
@@ -71,23 +88,36 @@ def param_count(name: str, vocab_size: int = PAPER_VOCAB) -> int:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="diloco sizes", description=__doc__)
-    ap.add_argument("--vocab_size", type=int, default=PAPER_VOCAB)
+    ap.add_argument("--vocab_size", type=int, help="count every scale at this many embedding rows instead of the "
+                    "vocabulary its runs use (byte for tiny/toy/toy-l, T5 32k for the paper's scales)")
     ap.add_argument("--json", action="store_true", help="one JSON list for machines")
     args = ap.parse_args(argv)
     rows = []
     for name, s in SCALES.items():
-        n = param_count(name, args.vocab_size)
+        if args.vocab_size:
+            vocab, ids, n_rows = "given", args.vocab_size, args.vocab_size
+        else:
+            vocab, ids = run_vocab(name)
+            n_rows = padded_vocab(ids)
+        n = param_count(name, n_rows)
         target = label_params(s.label)
-        rows.append(dict(scale=name, layers=s.layers, d_model=s.d_model, heads=s.heads,
-                         mlp_dim=s.mlp_dim, params=n, formula=formula_params(name, args.vocab_size),
-                         label=s.label, vs_label=(n / target - 1) if target else None))
+        rows.append(dict(scale=name, layers=s.layers, d_model=s.d_model, heads=s.heads, mlp_dim=s.mlp_dim,
+                         vocab=vocab, vocab_ids=ids, embedding_rows=n_rows, params=n,
+                         formula=formula_params(name, n_rows), paper_size=s.label if target else None,
+                         vs_paper_size=(n / target - 1) if target else None))
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'scale':>6} {'layers':>6} {'d_model':>7} {'heads':>5} {'mlp':>6} {'params':>15} {'label':>6} {'vs label':>8}")
+    head = (f"{'scale':<6} {'layers':>6} {'d_model':>7} {'heads':>5} {'mlp_dim':>7}  {'vocabulary (ids → rows)':<26}"
+            f" {'parameters':>15}  {'paper size':>10} {'difference':>10}")
+    print(head)
     for r in rows:
-        vs = f"{100 * r['vs_label']:+.1f}%" if r["vs_label"] is not None else ""
-        print(f"{r['scale']:>6} {r['layers']:>6} {r['d_model']:>7} {r['heads']:>5} {r['mlp_dim']:>6} "
-              f"{r['params']:>15,} {r['label']:>6} {vs:>8}")
-    print(f"(vocab {args.vocab_size}, tied input/output embeddings)")
+        vocab = f"{r['vocab']} ({r['vocab_ids']:,} → {r['embedding_rows']:,})"
+        diff = f"{100 * r['vs_paper_size']:+.1f}%" if r["vs_paper_size"] is not None else ""
+        print(f"{r['scale']:<6} {r['layers']:>6} {r['d_model']:>7} {r['heads']:>5} {r['mlp_dim']:>7}  {vocab:<26}"
+              f" {r['params']:>15,}  {r['paper_size'] or '':>10} {diff:>10}")
+    print("parameters: exact count of the model a run at that scale builds (tied input/output embedding, its rows\n"
+          f"  padded to a multiple of {VOCAB_PAD}); paper size: what the scaling-laws paper calls this shape.\n"
+          "`diloco simulate --model 1B` uses the Streaming DiLoCo paper's nominal 1e9 (its Table 4 is calibrated on\n"
+          "  it); `--model 1B --params 1.27B` simulates this count instead.")
     return 0
