@@ -213,8 +213,12 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one_exactly(tmp_pat
         train(cfg, tmp_path, progress=False, stop_after=23)
     assert ckpt_steps(tmp_path) == [20, 23]
     flip_bytes(biggest_file(tmp_path / "ckpt" / "23" / "state"))
-    with pytest.warns(UserWarning, match="step 23 .* unreadable"):
+    with warnings.catch_warnings(record=True) as ws:  # both expected warnings, nothing left for pytest to print
+        warnings.simplefilter("always", UserWarning)
         resumed = train(cfg, tmp_path, progress=False)
+    said = [str(w.message) for w in ws if issubclass(w.category, UserWarning)]
+    assert len(said) == 2 and re.search(r"step 23 .* unreadable", said[0]), said
+    assert said[1].startswith(f"moved the unreadable checkpoint to {tmp_path / 'ckpt_corrupt' / '23-'}"), said
     assert resumed["params_sha256"] == whole["params_sha256"]
     assert len(list((tmp_path / "ckpt_corrupt").iterdir())) == 1
 
