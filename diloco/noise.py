@@ -41,9 +41,3 @@ def native_stderr_captured() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
 
-
-def quiet_absl_logging() -> None:
-    """absl's Python logging (orbax, seqio, tfds log through it): warnings and errors only."""
-    from absl import logging as absl_logging
-
-    absl_logging.set_verbosity(absl_logging.WARNING)
