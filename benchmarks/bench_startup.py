@@ -7,6 +7,8 @@ workdir and reports:
   time to first step  process start → the first metrics row (written right after step 1)
   exit lag            the summary JSON on stdout → the process has exited
   total               process start → exit
+  CPU to first step   user + system CPU seconds the process used until then (Linux /proc): on a machine
+                      shared with other work, what the wall time would roughly be with the cores to itself
 The first repeat can be cold (token cache and JAX's compilation cache empty: pass --cold to empty
 them first, in a temporary $DILOCO_CACHE); the rest are warm. Timings on a shared machine are noisy:
 quote the median of several repeats.
@@ -27,6 +29,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, all its threads (None where /proc is absent)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+
+
 def one_run(spec: str, steps: int, workdir: Path, env: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "diloco.cli", "train", "--config", spec, "--workdir", str(workdir), "--no_progress",
            f"--config.steps={steps}", "--config.log_every=1", f"--config.eval_every={steps}",
@@ -34,12 +45,13 @@ def one_run(spec: str, steps: int, workdir: Path, env: dict, timeout: float) -> 
     metrics = workdir / "metrics.jsonl"
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first_step, summary_at, lines = [None], [None], []
+    first_step, cpu, summary_at, lines = [None], [None], [None], []
 
     def watch_metrics():
         while proc.poll() is None and first_step[0] is None:
             if metrics.exists() and metrics.stat().st_size > 0:
                 first_step[0] = time.perf_counter() - t0
+                cpu[0] = cpu_seconds(proc.pid)
                 return
             time.sleep(0.01)
 
@@ -59,7 +71,8 @@ def one_run(spec: str, steps: int, workdir: Path, env: dict, timeout: float) -> 
         t.join(timeout=5)
     if rc != 0 or summary_at[0] is None:
         raise RuntimeError(f"exit {rc}: {' '.join(cmd)}\n{err[-2000:]}")
-    return {"time_to_first_step_s": round(first_step[0], 2), "exit_lag_s": round(end - summary_at[0], 2),
+    return {"time_to_first_step_s": round(first_step[0], 2), "cpu_to_first_step_s": cpu[0],
+            "exit_lag_s": round(end - summary_at[0], 2),
             "total_s": round(end - t0, 2), "stderr_lines": len([l for l in err.splitlines() if l.strip()])}
 
 
@@ -82,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             r = one_run(args.spec, args.steps, Path(tmp) / f"run{i}", env, args.timeout)
             r["cache"] = "cold" if args.cold and i == 0 else "warm"
             runs.append(r)
-            print(f"run {i} ({r['cache']}): first step after {r['time_to_first_step_s']:.2f} s, "
+            print(f"run {i} ({r['cache']}): first step after {r['time_to_first_step_s']:.2f} s "
+                  f"({r['cpu_to_first_step_s']} s CPU), "
                   f"exit {r['exit_lag_s']:.2f} s after the summary, total {r['total_s']:.2f} s, "
                   f"{r['stderr_lines']} stderr line(s)", flush=True)
     warm = [r for r in runs if r["cache"] == "warm"]
