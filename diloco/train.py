@@ -791,4 +791,3 @@ def main(argv: list[str]) -> int:
     keys = ("method", "steps", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "wall_seconds")
     print(json.dumps({k: summary[k] for k in keys}), flush=True)
     return 0
-
