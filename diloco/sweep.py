@@ -276,7 +276,7 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
         msg = f"[{tag}] {r['status']:<7} {pt['name']}"
         if r.get("final_eval_loss") is not None:
             msg += f"  eval_loss={r['final_eval_loss']:.4f}"
-        if r.get("seconds"):
+        if r.get("seconds") is not None:
             msg += f"  {r['seconds']:.0f} s"
         msg += f"  ({finished()})"
         if r["status"] == "failed":
