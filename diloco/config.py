@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,30 +41,99 @@ def resolve_spec_path(spec: str) -> str:
 
 
 def load_config(spec: str, overrides: list[str] = (), check_data: bool = True) -> ml_collections.ConfigDict:
-    """Same semantics as ml_collections.config_flags: `path:arg`, then `--config.a.b=value`."""
+    """Same semantics as ml_collections.config_flags: `path:arg`, then `--config.a.b=value`.
+
+    Every failure is a one-line ConfigError naming the dotted field (`optimizer.lrr`, `H`, or `config`
+    for the spec itself) with the valid values or a suggestion."""
     from absl import flags
     from ml_collections import config_flags
 
+    keys = []
     for o in overrides:
-        if not o.startswith("--config."):
+        if not o.startswith("--config.") or "=" not in o:
             raise ConfigError(o.split("=")[0], "unknown flag; overrides look like --config.key=value")
-    argv = ["diloco", f"--config={resolve_spec_path(spec)}", *overrides]
+        keys.append(o.split("=", 1)[0][len("--config."):])
+    cfg = load_spec(spec)
+    for key in keys:
+        check_key(cfg, key)
+    argv = ["diloco", *overrides]
     fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "experiment spec", flag_values=fv, lock_config=True,
+    config_flags.DEFINE_config_dict("config", cfg, "experiment spec", flag_values=fv, lock_config=True,
                                     sys_argv=argv)
     try:
         fv(argv)
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:  # unknown key, bad type
-        msg = str(e).strip("\"'")
-        keys = [o.split("=")[0][len("--config."):] for o in overrides]
-        field = next((k for k in keys if k in msg), None) or next((k for k in keys if k.rsplit(".", 1)[-1] == msg),
-                                                                 "config")
-        if isinstance(e, (AttributeError, KeyError)) and msg == field.rsplit(".", 1)[-1]:
-            msg = f"unknown config key {field!r}"
-        raise ConfigError(field, f"{msg.splitlines()[0]} (see experiments/base.py for every key)") from None
-    cfg = fv.config
+    except flags.Error as e:  # a value that does not parse as the field's type
+        msg = one_line(str(e))
+        m = re.match(r"flag --config\.([\w.-]+)=(.*?): (.*)$", msg)
+        if not m:
+            raise ConfigError("config", msg) from None
+        field, value, why = m.groups()
+        raise ConfigError(field, bad_value_message(field, get_field(cfg, field), value, why)) from None
     validate(cfg, check_data=check_data)
     return cfg
+
+
+def one_line(text: str) -> str:
+    """A message on one line: the first non-empty line, surrounding quotes kept."""
+    return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+
+
+def load_spec(spec: str) -> ml_collections.ConfigDict:
+    """`experiments/<file>.py[:arg]` -> its get_config(arg); the spec's own error message is kept."""
+    import importlib.util
+
+    path, _, arg = resolve_spec_path(spec).partition(":")
+    try:
+        mod_spec = importlib.util.spec_from_file_location(f"diloco_spec_{Path(path).stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error or failing import in the spec file
+        raise ConfigError("config", f"{path} could not be loaded: {type(e).__name__}: {one_line(e)}") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError("config", f"{path} has no get_config(); a spec defines get_config(arg)")
+    try:
+        cfg = module.get_config(arg) if arg else module.get_config()
+    except Exception as e:  # the spec rejected its argument: its message says what is valid
+        msg = one_line(e) or type(e).__name__
+        raise ConfigError("config", msg if Path(path).name in msg else f"{spec}: {msg}") from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError("config", f"{path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+    return cfg
+
+
+def get_field(cfg, dotted: str):
+    v = cfg
+    for part in dotted.split("."):
+        v = v[part]
+    return v
+
+
+def check_key(cfg: ml_collections.ConfigDict, dotted: str) -> None:
+    """ConfigError naming `dotted` if it is not a leaf of cfg, with the closest existing keys."""
+    import difflib
+
+    v = cfg
+    for part in dotted.split("."):
+        if not isinstance(v, ml_collections.ConfigDict) or part not in v:
+            break
+        v = v[part]
+    else:
+        if not isinstance(v, ml_collections.ConfigDict):
+            return
+        raise ConfigError(dotted, f"is a group of keys, not a value; set one of {dotted}.{{{','.join(sorted(v))}}}")
+    leaves = list(flatten(cfg))
+    close = difflib.get_close_matches(dotted, leaves, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "valid keys are those of experiments/base.py"
+    raise ConfigError(dotted, f"unknown config key {dotted!r}; {hint}")
+
+
+def bad_value_message(field: str, current, value: str, why: str) -> str:
+    if isinstance(current, bool):
+        return f"{value!r} is not a boolean; use true or false"
+    kind = {int: "an integer", float: "a number"}.get(type(current))
+    if kind:
+        return f"{value!r} is not {kind}; e.g. --config.{field}={current}"
+    return f"{value!r}: {why}"
 
 
 def _base_keys() -> set[str]:
@@ -84,9 +154,7 @@ def flatten(cfg, prefix: str = "") -> dict:
 
 
 def _one_of(cfg, field: str, valid) -> None:
-    v = cfg
-    for part in field.split("."):
-        v = v[part]
+    v = get_field(cfg, field)
     if v not in valid:
         raise ConfigError(field, f"{v!r} is not one of {tuple(valid)}")
 

@@ -21,7 +21,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,6 +103,12 @@ def train_command(point: dict, workdir: Path, extra: list[str] = ()) -> list[str
             "--no_progress", *point["overrides"], *extra]
 
 
+def shown(cmd: list[str]) -> str:
+    """A command as a user would type it: `diloco train …` rather than this interpreter's path."""
+    prefix = [sys.executable, "-m", "diloco.cli"]
+    return shlex.join(["diloco", *cmd[len(prefix):]] if cmd[:len(prefix)] == prefix else cmd)
+
+
 # -- locks -------------------------------------------------------------------------------------------
 def _alive(pid: int) -> bool:
     try:
@@ -163,17 +168,6 @@ def _tail(path: Path, n: int = 30) -> str:
     return "\n".join(keep[-n:])
 
 
-def _last_step(workdir: Path) -> int:
-    try:
-        with open(workdir / "metrics.jsonl", "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 600))
-            last = f.read().decode(errors="replace").strip().splitlines()[-1]
-        return int(json.loads(last)["step"])
-    except (OSError, IndexError, ValueError, KeyError):
-        return 0
-
-
 def _train_in_process(cmd: list[str], log) -> int:
     """`diloco train` in this process (no interpreter/TensorFlow start-up per point); output → log."""
     import traceback
@@ -192,7 +186,7 @@ def _train_in_process(cmd: list[str], log) -> int:
 
 
 def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,
-              in_process: bool = False, failed_since: float | None = None) -> dict:
+              in_process: bool = False, failed_since: float | None = None, on_start=None) -> dict:
     """Run one point to completion (a subprocess, or this process with in_process=True, main thread
     only). Returns a result row (status done|skipped|locked|failed)."""
     from diloco.rundir import atomic_write_json
@@ -215,7 +209,9 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
                                               "spec": point["spec"], "point": point["point"],
                                               "axes": [k for k in point["point"] if k != "arg"],
                                               "overrides": [*point["overrides"], *extra],
-                                              "command": shlex.join(cmd)})
+                                              "command": shown(cmd)})
+        if on_start is not None:
+            on_start()
         t0 = time.time()
         with open(wd / "train.log", "a") as log:
             log.write(f"\n$ {shlex.join(cmd)}\n")
@@ -232,7 +228,7 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
             (wd / "failed.json").unlink(missing_ok=True)
             return {**row, "status": "done", "seconds": secs, **_summary_bits(wd)}
         err = _tail(wd / "train.log")
-        atomic_write_json(wd / "failed.json", {"returncode": rc, "command": shlex.join(cmd), "seconds": secs,
+        atomic_write_json(wd / "failed.json", {"returncode": rc, "command": shown(cmd), "seconds": secs,
                                                "error_tail": err, "time": time.strftime("%Y-%m-%d %H:%M:%S")})
         return {**row, "status": "failed", "seconds": secs, "returncode": rc,
                 "error": (err.splitlines() or [""])[-1][:160]}
@@ -250,63 +246,48 @@ def _summary_bits(wd: Path) -> dict:
 
 def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: list[str] = (),
               only: str = "", quiet: bool = False, env: dict | None = None, in_process: bool = False) -> list[dict]:
-    """Every point of `sweep` under root, `workers` at a time; prints progress lines.
+    """Every point of `sweep` under root, `workers` at a time.
 
+    Prints one line when a point starts and one when it ends. "k/n finished" counts the points
+    with a summary on disk, so the lines of several workers (or sweeps) on one root agree.
     in_process=True: `workers` long-lived worker processes each train point after point in-process
     (saves the interpreter + TensorFlow start-up per point); the lock files share out the points."""
     root = Path(root)
     pts = [p for p in sweep["points"] if only in p["name"]]
     if in_process and workers > 1:
         return _run_pool(sweep, pts, root, workers, extra, quiet, env)
-    n, done, lock = len(pts), [0], threading.Lock()
-    running: dict[str, Path] = {}
-    stop = threading.Event()
+    n = len(pts)
     console = sys.stdout  # in-process training redirects sys.stdout into a run's train.log meanwhile
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=console, flush=True))
     tag = sweep.get("label", sweep["name"])
-    say(f"[{tag}] {n} point(s) under {root / sweep['name']} ({workers} at a time)")
 
-    def ticker():
-        while not stop.wait(20):
-            with lock:
-                now = ", ".join(f"{k} @ step {_last_step(v)}" for k, v in running.items())
-            if now:
-                say(f"[{tag}] {done[0]}/{n} finished; running: {now}")
+    def finished() -> str:
+        return f"{sum((root / sweep['name'] / p['name'] / 'summary.json').exists() for p in pts)}/{n} finished"
+
+    if "label" not in sweep:  # a pool worker: the parent said it
+        say(f"[{tag}] {n} point(s) under {root / sweep['name']}, {workers} at a time; {finished()}")
 
     def one(pt):
         wd = root / sweep["name"] / pt["name"]
-        with lock:
-            running[pt["name"]] = wd
-        try:
-            r = run_point(sweep, pt, root, extra, env, in_process, sweep.get("started"))
-        finally:
-            with lock:
-                running.pop(pt["name"], None)
-                done[0] += 1
-        if r["status"] == "locked" and "label" in sweep:  # a pool worker: another worker has it
+        r = run_point(sweep, pt, root, extra, env, in_process, sweep.get("started"),
+                      on_start=lambda: say(f"[{tag}] start   {pt['name']}  ({finished()})"))
+        if r["status"] in ("locked", "skipped"):  # another worker has it / finished before: nothing changed here
             return r
-        loss = r.get("final_eval_loss")
-        msg = f"[{tag}] {done[0]}/{n} {r['status']:<7} {pt['name']}"
-        if loss is not None:
-            msg += f"  eval_loss={loss:.4f}"
-        if r.get("seconds"):
-            msg += f"  ({r['seconds']:.0f}s)"
+        msg = f"[{tag}] {r['status']:<7} {pt['name']}"
+        if r.get("final_eval_loss") is not None:
+            msg += f"  eval_loss={r['final_eval_loss']:.4f}"
+        if r.get("seconds") is not None:
+            msg += f"  {r['seconds']:.0f} s"
+        msg += f"  ({finished()})"
         if r["status"] == "failed":
             msg += f"  rc={r['returncode']}: {r['error']}  → {wd / 'failed.json'}"
         say(msg)
         return r
 
-    t = threading.Thread(target=ticker, daemon=True)
-    t.start()
-    try:
-        if workers <= 1 or in_process:  # in the main thread: train() installs signal handlers
-            results = [one(p) for p in pts]
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as ex:
-                results = list(ex.map(one, pts))
-    finally:
-        stop.set()
-    return results
+    if workers <= 1 or in_process:  # in the main thread: train() installs signal handlers
+        return [one(p) for p in pts]
+    with ThreadPoolExecutor(max_workers=workers) as ex:
+        return list(ex.map(one, pts))
 
 
 def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: list[str], quiet: bool,
@@ -321,7 +302,9 @@ def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: lis
     cmd = [sys.executable, "-m", "diloco.cli", "sweep", spec, "--root", str(root), "--in-process", "-j", "1",
            "--points-file", str(names), *[f"--set={e[len('--config.'):]}" for e in extra]]
     if not quiet:
-        print(f"[{sweep['name']}] {len(pts)} point(s), {workers} worker processes: {shlex.join(cmd)}", flush=True)
+        done = sum(before.values())
+        print(f"[{sweep['name']}] {len(pts)} point(s) under {root / sweep['name']}, {workers} worker processes "
+              f"(diloco sweep --in-process); {done}/{len(pts)} finished", flush=True)
     procs = []
     for w in range(workers):
         procs.append(subprocess.Popen(cmd + ["--worker-name", f"w{w}"], cwd=str(REPO_ROOT),
@@ -448,7 +431,7 @@ def main(argv: list[str]) -> int:
                 if args.only in pt["name"]:
                     wd = Path(args.root) / sweep["name"] / pt["name"]
                     state = "  # done" if (wd / "summary.json").exists() else ""
-                    print(shlex.join(train_command(pt, wd, extra)) + state)
+                    print(shown(train_command(pt, wd, extra)) + state)
             return 0
     except ConfigError as e:
         print(f"diloco sweep: bad input: {e}", file=sys.stderr)

@@ -376,6 +376,43 @@ def stack_window():
     return jax.jit(lambda c, f: (jnp.stack(c), jnp.stack(f)))
 
 
+def interrupt_lines(workdir):
+    """What to say when a signal arrives outside the loop's own handling (diloco/interrupt.py):
+    (at start-up or after training, mid-step, on a second signal), from the checkpoints on disk."""
+    from diloco.rundir import path
+
+    ckpt = path(workdir) / "ckpt"
+
+    def saved() -> set[int]:  # complete checkpoints: orbax renames a step's folder into place
+        try:
+            return {int(p.name) for p in ckpt.iterdir() if p.name.isdigit()}
+        except OSError:
+            return set()
+
+    before = saved()
+
+    def idle(sig: str) -> str:
+        now = saved()
+        if not now:
+            return f"diloco train: {sig} during start-up; nothing saved"
+        if now == before:
+            return (f"diloco train: {sig} during start-up; nothing new saved; the checkpoint at step {max(now)} in "
+                    f"{ckpt} is kept: run the same command to resume")
+        return (f"diloco train: {sig} after training; the checkpoint at step {max(now)} is in {ckpt}: "
+                "run the same command to write the summary")
+
+    def busy(sig: str) -> str:
+        return (f"diloco train: {sig}: finishing the current step (it may be compiling or evaluating), then "
+                f"saving a checkpoint; send {sig} again to quit without it")
+
+    def again(sig: str) -> str:
+        now = saved()
+        kept = f"the checkpoint at step {max(now)} in {ckpt} is kept" if now else "nothing saved"
+        return f"diloco train: {sig} again; quit without saving: {kept}" + (": run the same command to resume" if now else "")
+
+    return idle, busy, again
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="diloco train", description="Train one run (resumes if DIR has a checkpoint).")
     ap.add_argument("--config", required=True, help="experiments/<file>.py[:arg], e.g. experiments/toy.py:streaming")
@@ -383,19 +420,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no_progress", action="store_true")
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
+    from diloco.interrupt import prompt_exit
 
     try:
-        cfg = load_config(args.config, overrides)
-        summary = train(cfg, args.workdir, progress=not args.no_progress)
+        with prompt_exit(*interrupt_lines(args.workdir)):
+            cfg = load_config(args.config, overrides)
+            summary = train(cfg, args.workdir, progress=not args.no_progress)
     except ConfigError as e:
         print(f"diloco train: bad input: {e}", file=sys.stderr)
         return 2
     except NumericalFault as e:
         print(f"diloco train: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt as e:
-        print(f"diloco train: interrupted. {e}", file=sys.stderr)
+    except KeyboardInterrupt as e:  # the loop saved a checkpoint and says where
+        print(f"diloco train: {e}" if str(e) else "diloco train: interrupted", file=sys.stderr)
         return 130
     keys = ("method", "steps", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "wall_seconds")
-    print(json.dumps({k: summary[k] for k in keys}))
+    print(json.dumps({k: summary[k] for k in keys}), flush=True)
     return 0

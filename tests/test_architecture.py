@@ -102,6 +102,7 @@ def private_uses() -> list[str]:
     bad = []
     for m, p in mods.items():
         aliases: dict[str, str] = {}  # local name -> diloco module it is bound to
+        foreign: set[str] = set()      # names bound to other libraries' modules (os._exit is os's business)
         for target, name, line in imports(m, p, mods):
             t = resolve(target, mods)
             if name is not None and name.startswith("_") and not name.startswith("__") and t != m:
@@ -117,12 +118,14 @@ def private_uses() -> list[str]:
                 for a in node.names:
                     if a.name in mods and a.asname:
                         aliases[a.asname] = a.name
+                    elif not a.name.startswith("diloco"):
+                        foreign.add(a.asname or a.name.split(".")[0])
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 v = node.value
                 if isinstance(v, ast.Name) and v.id in aliases and aliases[v.id] != m:
                     bad.append(f"{m}:{node.lineno} uses {aliases[v.id]}.{node.attr}")
-                elif isinstance(v, ast.Name) and v.id not in ("self", "cls") and v.id not in aliases:
+                elif isinstance(v, ast.Name) and v.id not in ("self", "cls") and v.id not in aliases and v.id not in foreign:
                     # an attribute of another object: private unless it is this module's own class
                     own = {c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)}
                     if not own:

@@ -53,8 +53,10 @@ BAD = [
     # config values
     Bad("unknown_key", {"nonsense_key": 1}, "nonsense_key", r"unknown config key 'nonsense_key'"),
     Bad("unknown_nested_key", {"model.nonsense": 1}, "model.nonsense", r"unknown config key 'model.nonsense'"),
-    Bad("wrong_type", {"steps": "ten"}, "steps", r"invalid literal for int\(\).*'ten"),
-    Bad("non_boolean", {"model.remat": "maybe"}, "model.remat", r"Non-boolean argument"),
+    Bad("misspelt_key", {"optimizer.lrr": 1}, "optimizer.lrr", r"unknown config key 'optimizer.lrr'; did you mean optimizer.lr\?"),
+    Bad("group_not_value", {"optimizer": 1}, "optimizer", r"is a group of keys, not a value; set one of optimizer\.\{.*lr,"),
+    Bad("wrong_type", {"steps": "ten"}, "steps", r"^steps: 'ten' is not an integer; e.g. --config.steps=300$"),
+    Bad("non_boolean", {"model.remat": "maybe"}, "model.remat", r"'maybe' is not a boolean; use true or false"),
     Bad("zero_steps", {"steps": 0}, "steps", r"0 must be ≥ 1"),
     Bad("zero_H", {"H": 0}, "H", r"0 must be ≥ 1"),
     Bad("unknown_scale", {"scale": "70B"}, "scale", r"'70B' is not one of"),
@@ -130,6 +132,34 @@ def test_the_table_is_big_enough():
 
 
 # -- bad input outside the config values -----------------------------------------------------------
+# -- what a user sees on the command line: one line, the dotted field, no escapes ------------------------
+@pytest.mark.parametrize("args,expected", [
+    (["--config.optimizer.lrr=1"],
+     "diloco train: bad input: optimizer.lrr: unknown config key 'optimizer.lrr'; did you mean optimizer.lr?"),
+    (["--config.H=abc"], "diloco train: bad input: H: 'abc' is not an integer; e.g. --config.H=30"),
+    ([":stream"], "diloco train: bad input: config: experiments/toy.py:stream: choose dp, diloco or streaming"),
+], ids=["misspelt_key", "not_an_int", "bad_spec_arg"])
+def test_command_line_bad_input_is_one_clear_line(args, expected, tmp_path, capsys):
+    from diloco.train import main
+
+    spec = "experiments/toy.py" + (args[0] if args[0].startswith(":") else ":streaming")
+    rest = [a for a in args if not a.startswith(":")]
+    assert main(["--config", spec, "--workdir", str(tmp_path / "run"), *rest]) == 2
+    err = capsys.readouterr().err
+    assert err == expected + "\n"
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_a_spec_that_fails_to_import_names_the_file(tmp_path):
+    from diloco.config import load_config
+
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    with pytest.raises(ConfigError, match=r"broken.py could not be loaded: ModuleNotFoundError: No module named "
+                                          r"'no_such_module_here'$") as e:
+        load_config(str(tmp_path / "broken.py"))
+    assert e.value.field == "config"
+
+
 def test_missing_spec_file():
     from diloco.config import load_config
 

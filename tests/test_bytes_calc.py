@@ -136,9 +136,9 @@ def test_parse_count(s, n):
 
 def test_named_scale():
     pytest.importorskip("flax")
-    from diloco.model import scales
+    from diloco.model import scales, sizes
 
-    r = B.calc(params=scales.param_count("tiny"), layers=scales.SCALES["tiny"].layers,
+    r = B.calc(params=sizes.param_count("tiny"), layers=scales.SCALES["tiny"].layers,
                tokens=10_000, batch=2, seq_len=8, method="streaming", H=10)
     assert r["fragments"] == 1  # 3 blocks / 3 per fragment
     assert B.main(["--scale", "tiny", "--tokens", "10000", "--batch", "2", "--seq_len", "8", "--json"]) == 0

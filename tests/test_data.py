@@ -156,6 +156,15 @@ def test_byte_vocab_roundtrip():
     assert v.vocab_size == 259 and v.decode(v.encode(text)) == text and min(v.encode(text)) >= 3
 
 
+def test_byte_vocab_size_and_special_ids_need_no_tensorflow():
+    code = ("import sys; from diloco.data import get_vocabulary; v = get_vocabulary('byte'); "
+            "print(v.vocab_size, v.pad_id, v.eos_id, v.unk_id, 'tensorflow' in sys.modules or 'seqio' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    real = tasks.get_vocabulary("byte")  # seqio.ByteVocabulary itself
+    assert out == [str(real.vocab_size), str(real.pad_id), str(real.eos_id), str(real.unk_id), "False"]
+    assert get_vocabulary("byte").encode("hé") == real.encode("hé")  # everything else is seqio's
+
+
 def test_pack_false_pads_short_documents(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "c.txt").write_text("x" * 70)  # longer than seq_len: cut into 32 + 32 + 7 (incl. EOS)

@@ -67,3 +67,20 @@ def test_bfloat16_compute_keeps_float32_params():
     p = m.init(jax.random.PRNGKey(0), x)
     assert {l.dtype for l in jax.tree_util.tree_leaves(p)} == {jnp.dtype("float32")}
     assert m.apply(p, x).dtype == jnp.float32  # logits are upcast for the loss
+
+
+def test_sizes_counts_each_scale_as_a_run_builds_it(capsys):
+    """`diloco sizes` shows tiny at the byte vocabulary a tiny run uses: the trainer's own count."""
+    import json
+
+    from conftest import tiny_config
+    from diloco.model import sizes
+    from diloco.trainer import Trainer
+
+    assert sizes.main(["--json"]) == 0
+    rows = {r["scale"]: r for r in json.loads(capsys.readouterr().out)}
+    run = Trainer(tiny_config("dp"))
+    assert rows["tiny"]["params"] == run.n_params == 49_472  # 12·3·32² + 384·32 + 320 norm scales
+    assert rows["tiny"]["vocab"] == "byte" and rows["tiny"]["embedding_rows"] == 384
+    assert rows["1B"]["vocab"] == "T5 32k" and rows["1B"]["embedding_rows"] == 32_128
+    assert rows["1B"]["params"] == param_count("1B", 32_128)

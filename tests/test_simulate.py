@@ -205,3 +205,16 @@ def test_paper_table_markdown_cells():
     assert rows[3][:7] == ["model", "method", "target", "ours", "exact", "paper", "off"]
     assert rows[5][:7] == ["1B", "diloco_h100", "90%", "4.0", "4.000", "3.3", "+1"]
     assert "## sd: 1 exact, 2 within one grid step, of 2 cells" in md
+
+
+def test_the_simulator_says_which_parameter_count_it_uses(capsys):
+    """'1B' is the paper's nominal 1e9 (Table 4 is calibrated on it); the header says so and gives ours."""
+    from diloco.model import scales
+    from diloco.simulate import cli
+
+    assert cli.main(["--model", "1B", "--method", "dp", "--bandwidth", "1"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    ours = scales.formula_params("1B", 32_128) / 1e9
+    assert f"1e+09 params (nominal: the paper's Table 4 size; our 1B scale has ≈{ours:.3g}B" in head
+    assert cli.main(["--model", "1B", "--params", f"{ours:.3g}B", "--method", "dp", "--bandwidth", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params_source"] == "--params"

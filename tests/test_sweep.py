@@ -1,6 +1,7 @@
 """diloco sweep: expansion, dry run, TPU script, locks, resume, failure isolation (real tiny runs)."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,7 +70,8 @@ def test_dry_run_prints_exact_commands(tmp_path, capsys):
     assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root"), "--dry-run", "--set", "steps=9"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2
-    assert "--config experiments/c4_scaling.py:toy,dp" in lines[0] and "--config.tau=1" in lines[0]
+    assert lines[0].startswith("diloco train --config experiments/c4_scaling.py:toy,dp ")  # as a user types it
+    assert "--config.tau=1" in lines[0]
     assert f"--workdir {tmp_path}/root/t/tau=1" in lines[0] and lines[0].split()[-1] == "--config.steps=9"
     assert lines[1].endswith("# done")
 
@@ -144,3 +146,21 @@ def test_in_process_pool_records_a_failure_once(tmp_path):
     assert {r["point"]: r["status"] for r in res} == {"tiny+diloco_h30,tau=3": "failed", "tiny+dp": "done"}
     log = (tmp_path / "root" / "t" / "tiny+diloco_h30,tau=3" / "train.log").read_text()
     assert log.count("$ ") == 1  # tried by one worker only
+
+
+def test_status_is_one_line_per_change_with_counts_from_disk(tmp_path, capsys):
+    """A finished point is not re-announced; a point that runs gets a start and an end line; the
+    'k/n finished' count is what is on disk (the same for every worker of a pool)."""
+    f = _write_sweep(tmp_path, '[{"arg": "tiny,dp"}, {"arg": "tiny,diloco_h30", "tau": 3}]')
+    s = sw.load_sweep(str(f))
+    root = tmp_path / "root"
+    (root / "t" / "tiny+dp").mkdir(parents=True)
+    (root / "t" / "tiny+dp" / "summary.json").write_text('{"final_eval_loss": 5.0}')
+    res = sw.run_sweep(s, root, workers=1, in_process=True)  # the failing point fails in load_config: fast
+    assert [r["status"] for r in res] == ["skipped", "failed"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"[t] 2 point(s) under {root / 't'}, 1 at a time; 1/2 finished"
+    assert lines[1] == "[t] start   tiny+diloco_h30,tau=3  (1/2 finished)"
+    assert re.fullmatch(r"\[t\] failed  tiny\+diloco_h30,tau=3  \d+ s  \(1/2 finished\)  rc=2: diloco train: bad input: "
+                        r"method: diloco is P=1, tau=0; .*  → \S+/failed\.json", lines[2]), lines[2]
+    assert len(lines) == 3

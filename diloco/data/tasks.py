@@ -15,8 +15,12 @@ from diloco.data import specs
 
 @functools.cache
 def _tf():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import tensorflow as tf
+    from diloco.noise import native_stderr_captured, quiet_environment
+
+    quiet_environment()
+    with native_stderr_captured():  # TensorFlow's native start-up lines ignore TF_CPP_MIN_LOG_LEVEL
+        import seqio  # noqa: F401  (imports TensorFlow, TFDS)
+        import tensorflow as tf
 
     tf.config.set_visible_devices([], "GPU")  # the data pipeline must never take accelerator memory from JAX
     return tf

@@ -1,12 +1,10 @@
 """Named model scales: the paper's Table 2 (35M…4B), 10B, and CPU toy scales.
 
-`diloco sizes` prints each with its exact parameter count (jax.eval_shape, no allocation).
+`diloco sizes` (diloco/model/sizes.py) prints each with its exact parameter count.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +34,24 @@ SCALES: dict[str, Scale] = {
     "10B": Scale(48, 4096, 64, 16384, label="10B"),
 }
 
-PAPER_VOCAB = 32_000
+PAPER_VOCAB = 32_000  # the paper's nominal vocabulary; `diloco bytes`/`simulate` formulas use it
+
+# The vocabularies runs use (experiments/): the CPU scales read bytes, the paper's scales the T5
+# SentencePiece model (32,000 pieces + 100 extra ids + 1, as seqio reports it). The trainer pads the
+# embedding to a multiple of VOCAB_PAD rows, which `diloco sizes` counts too.
+TOY_SCALES = ("tiny", "toy", "toy-l")
+BYTE_VOCAB = 259  # seqio.ByteVocabulary: 3 special ids + 256 bytes
+T5_VOCAB = 32_101
+VOCAB_PAD = 128
+
+
+def padded_vocab(n: int) -> int:
+    return -(-n // VOCAB_PAD) * VOCAB_PAD
+
+
+def run_vocab(name: str) -> tuple[str, int]:
+    """(name, ids) of the vocabulary a run at this scale uses by default."""
+    return ("byte", BYTE_VOCAB) if name in TOY_SCALES else ("T5 32k", T5_VOCAB)
 
 
 def label_params(label: str) -> float | None:
@@ -51,43 +66,3 @@ def formula_params(name: str, vocab_size: int = PAPER_VOCAB) -> int:
     """12·L·d² + V·d: attention 4d², MLP 8d² per block, tied embedding V·d (norm scales excluded)."""
     s = SCALES[name]
     return 12 * s.layers * s.d_model**2 + vocab_size * s.d_model
-
-
-def param_count(name: str, vocab_size: int = PAPER_VOCAB) -> int:
-    """Exact parameter count of the Flax model at this scale (shape inference only)."""
-    import jax
-    import jax.numpy as jnp
-
-    from diloco.model.transformer import ModelConfig, Transformer
-
-    if name not in SCALES:
-        raise KeyError(f"unknown scale {name!r}; valid: {', '.join(SCALES)}")
-    cfg = ModelConfig.from_scale(name, vocab_size=vocab_size, max_seq_len=8)
-    shapes = jax.eval_shape(
-        lambda: Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    )
-    return sum(int(x.size) for x in jax.tree_util.tree_leaves(shapes))
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="diloco sizes", description=__doc__)
-    ap.add_argument("--vocab_size", type=int, default=PAPER_VOCAB)
-    ap.add_argument("--json", action="store_true", help="one JSON list for machines")
-    args = ap.parse_args(argv)
-    rows = []
-    for name, s in SCALES.items():
-        n = param_count(name, args.vocab_size)
-        target = label_params(s.label)
-        rows.append(dict(scale=name, layers=s.layers, d_model=s.d_model, heads=s.heads,
-                         mlp_dim=s.mlp_dim, params=n, formula=formula_params(name, args.vocab_size),
-                         label=s.label, vs_label=(n / target - 1) if target else None))
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(f"{'scale':>6} {'layers':>6} {'d_model':>7} {'heads':>5} {'mlp':>6} {'params':>15} {'label':>6} {'vs label':>8}")
-    for r in rows:
-        vs = f"{100 * r['vs_label']:+.1f}%" if r["vs_label"] is not None else ""
-        print(f"{r['scale']:>6} {r['layers']:>6} {r['d_model']:>7} {r['heads']:>5} {r['mlp_dim']:>6} "
-              f"{r['params']:>15,} {r['label']:>6} {vs:>8}")
-    print(f"(vocab {args.vocab_size}, tied input/output embeddings)")
-    return 0

@@ -151,11 +151,11 @@ def _resolve_params(scale: str | None, params: str | None, layers: int | None,
         return parse_count(params), layers, f"--params {params}"
     if scale is None:
         raise ConfigError("scale", "give --scale NAME or --params N --layers L")
-    from diloco.model import scales  # lazy: pulls in jax/flax
+    from diloco.model import scales, sizes  # lazy: pulls in jax/flax
 
     if scale not in scales.SCALES:
         raise ConfigError("scale", f"unknown scale {scale!r}; valid: {', '.join(scales.SCALES)}")
-    return scales.param_count(scale, vocab_size=vocab_size), scales.SCALES[scale].layers, f"scale {scale}"
+    return sizes.param_count(scale, vocab_size=vocab_size), scales.SCALES[scale].layers, f"scale {scale}"
 
 
 def _fmt_bytes(b: float) -> str:

@@ -118,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
                 row["analytic_gbit_per_s"] = _num(analytic.required_bandwidth(model, method.h, t, bits * a.allreduce_factor, a.latency_s))
             rows.append(row)
     if args.json:
-        print(json.dumps({"assumptions": dataclasses.asdict(a), "rows": rows}, indent=1))
+        print(json.dumps({"assumptions": dataclasses.asdict(a), "params_source": params_source(args), "rows": rows},
+                         indent=1))
     else:
-        print(f"# {model.name}: {model.layers} layers, {model.params:.3g} params, {model.step_time_s:g} s/step; "
+        print(f"# {model.name}: {model.layers} layers, {model.params:.4g} params ({params_source(args)}), "
+              f"{model.step_time_s:g} s/step; "
               f"{method.name} H={method.h} P={method.fragments} tau={method.tau} bits={method.bits or a.bits:g} {method.pattern}")
         for r in rows:
             if "cu" in r:
@@ -130,6 +132,23 @@ def run(args: argparse.Namespace) -> int:
                 print(f"CU {100 * r['target_cu']:>5g}% needs {paper.fmt(_inf(r['exact_gbit_per_s'])):>7} Gbit/s "
                       f"(grid {paper.fmt(_inf(r['gbit_per_s']))}){extra}")
     return 0
+
+
+def params_source(args) -> str:
+    """Which parameter count the simulation uses, said beside it (`diloco sizes` counts differently)."""
+    if args.params:
+        return "--params"
+    if args.model in MODELS:
+        from diloco.model import scales
+
+        if args.model not in scales.SCALES:
+            return "nominal: the paper's size"
+        ours = scales.formula_params(args.model, scales.padded_vocab(scales.run_vocab(args.model)[1]))
+        return (f"nominal: the paper's Table 4 size; our {args.model} scale has ≈{ours / 1e9:.3g}B "
+                f"(`diloco sizes`): --params {ours / 1e9:.3g}B to use it")
+    if args.model == "custom":
+        return "--params"
+    return f"12·L·d² + V·d at vocab {args.vocab_size:,}, embeddings included"
 
 
 def build_assumptions(args) -> Assumptions:
@@ -262,7 +281,8 @@ def paper_table(args, a: Assumptions) -> int:
             w.writeheader()
             w.writerows(rows)
     if args.json:
-        print(json.dumps({"assumptions": dataclasses.asdict(a), "rows": rows}, indent=1))
+        print(json.dumps({"assumptions": dataclasses.asdict(a), "params_source": params_source(args), "rows": rows},
+                         indent=1))
     else:
         print(md)
     return 0
