@@ -74,6 +74,21 @@ def shape_bytes(shape: str) -> int:
 
 
 def _groups(attrs: str) -> list[list[int]] | None:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?\s*\{([^}]*)\}", attrs)
+    if m:  # mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups vary along the named axes
+        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        sizes = [n for _, n in axes]
+        ids = np.arange(int(np.prod(sizes)))
+        if m.group(2):
+            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(sizes)
+        names = [a for a, _ in axes]
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest = [k for k in range(len(names)) if k not in grouped]
+        ids = ids.transpose(rest + grouped)
+        return ids.reshape(-1, int(np.prod([sizes[k] for k in grouped] or [1]))).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:  # iota form: [G,S]<=[dims]T(perm)
         gshape = [int(x) for x in m.group(1).split(",")]
@@ -84,7 +99,8 @@ def _groups(attrs: str) -> list[list[int]] | None:
         return ids.reshape(gshape[0], -1).tolist()
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", attrs)
     if m:
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return groups or None  # {}: every device in one group
     return None
 
 
@@ -112,6 +128,8 @@ def parse_collectives(hlo: str, mesh=None) -> list[dict]:
         row: dict[str, Any] = {"kind": base if not dcn else "dcn-" + dcn.group(1).lower().replace("_", "-"),
                                "operand_bytes": nbytes, "async": op.endswith("-start"), "name": name}
         groups = _groups(rest)
+        if groups is None and mesh is not None and base in _COLLECTIVES and "replica_groups={}" in rest:
+            groups = [list(range(mesh.devices.size))]
         row["group_size"] = len(groups[0]) if groups else None
         row["axes"], row["crosses_slices"] = _span(groups, mesh) if (groups and mesh is not None) else ([], False)
         if dcn:
@@ -248,11 +266,14 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None) ->
             "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
             "fits": all(r["fits"] for r in progs), "programs": progs, "collectives": colls,
             "bytes_per_replica": ({p: tr.driver.bytes_per_replica(p) for p in range(tr.driver.P)}
-                                  if tr.driver is not None else {})}
+                                  if tr.driver is not None else {}),
+            # chips of a replica that split each fragment's exchange (1: every chip moves all of it)
+            "exchange_shards": ({p: tr.sync.shards(tr.sync.frags.sizes[p]) for p in range(tr.driver.P)}
+                                if tr.driver is not None else {})}
 
 
 def _gb(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 4 else f"{n / (1 << 20):.2f} MiB"
 
 
 def text_report(rep: dict) -> str:
@@ -268,9 +289,14 @@ def text_report(rep: dict) -> str:
             lines.append(f"{r['program']:<10} did not compile: {r['error']}")
             continue
         m = r["memory"]
-        cs = "; ".join(f"{c['kind']}{'(async)' if c['async'] else ''} {c['operand_bytes']:,}B "
-                       f"over {'×'.join(c['axes']) or '-'}{' DCN' if c['crosses_slices'] else ''}"
-                       for c in r["collectives"])
+        agg: dict[tuple, list[int]] = {}
+        for c in r["collectives"]:
+            k = (c["kind"], "×".join(c["axes"]) or "-", c["crosses_slices"], c["async"])
+            agg.setdefault(k, [0, 0])
+            agg[k][0] += 1
+            agg[k][1] += c["operand_bytes"]
+        cs = "; ".join(f"{n}× {kind}{' async' if asy else ''} over {ax}{' (DCN)' if dcn else ''}: {b:,} B"
+                       for (kind, ax, dcn, asy), (n, b) in agg.items())
         lines.append(f"{r['program']:<10} {_gb(m['argument_bytes']):>10} {_gb(m['temp_bytes']):>10} "
                      f"{_gb(m['output_bytes']):>10} {_gb(r['peak_bytes_per_chip']):>10} {'yes' if r['fits'] else 'NO':>5} "
                      f"{r['compile_seconds']:>9.1f} {r['flops'] / 1e9:>10.2f}  {cs or '-'}")

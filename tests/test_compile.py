@@ -37,24 +37,58 @@ def test_unknown_topology_is_one_line_error():
         C.tpu_devices("v9z:2x2")
 
 
+def test_hlo_mesh_form_replica_groups():
+    """XLA's mesh form: mesh['axis_0'=2,'axis_1'=2] {'axis_0'} groups devices {0,2},{1,3}."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    class D:
+        def __init__(self, i):
+            self.id, self.slice_index = i, 0
+    mesh = Mesh(np.array([D(i) for i in range(8)], dtype=object).reshape(2, 2, 2), ("replica", "data", "fsdp"))
+    hlo = """
+  %p = bf16[8]{0} parameter(0)
+  %ag = bf16[16]{0} all-gather(%p), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}
+  %ar = bf16[8]{0} all-reduce(%p), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+"""
+    rows = C.parse_collectives(hlo, mesh)
+    assert [(r["kind"], r["operand_bytes"], r["group_size"], r["axes"]) for r in rows] == [
+        ("all-gather", 16, 2, ["replica"]), ("all-reduce", 16, 4, ["data", "fsdp"])]
+
+
 @needs_libtpu
 def test_compile_streaming_step_for_v5e_2x2():
-    """tiny Streaming (bf16 codec) on v5e:2x2 = replica 2 × data 2: per-chip memory is reported, and the
-    replica all-gather of a send carries per chip exactly the bytes `bytes_exchanged` counts per replica
-    — so with this layout (fragment replicated over `data`) the bytes crossing `replica` in total are
-    data-axis-size × the counted bytes: every data column gathers the whole payload."""
+    """tiny Streaming (bf16 codec) on v5e:2x2 = replica 2 × data 2: per-chip memory is reported, and each
+    chip gathers over `replica` only its own half of the encoded fragment, so the bytes crossing
+    `replica` (per chip × the chips of a replica) are exactly what `bytes_exchanged` counts.
+    (Before the exchange was split, each chip's gather carried the whole payload: data-axis-size × the
+    counted bytes crossed `replica`.)"""
     import sys
     sys.path.insert(0, "tests")
     from conftest import tiny_config
 
     cfg = tiny_config("streaming", codec="bf16", batch_size=8)
     rep = C.report(cfg, "v5e:2x2", 1, {"inner", "send 0"})
-    assert rep["chips"] == 4 and rep["mesh"]["replica"] == 2 and rep["chip_hbm_bytes"] == 16 * C.GiB
+    assert rep["chips"] == 4 and rep["mesh"] == {"replica": 2, "data": 2, "fsdp": 1}
+    assert rep["chip_hbm_bytes"] == 16 * C.GiB
     inner, send = rep["programs"]
     assert inner["memory"]["argument_bytes"] > 0 and inner["peak_bytes_per_chip"] >= inner["memory"]["argument_bytes"]
     assert rep["fits"] and inner["flops"] > 0
     gathers = [c for c in send["collectives"] if c["kind"] == "all-gather" and c["axes"] == ["replica"]]
-    assert sum(c["operand_bytes"] for c in gathers) == rep["bytes_per_replica"][0]
+    assert rep["exchange_shards"][0] == 2
+    assert sum(c["operand_bytes"] for c in gathers) * 2 == rep["bytes_per_replica"][0]
     assert all(c["group_size"] == 2 and not c["crosses_slices"] for c in gathers)
-    data_ax = rep["mesh"]["data"] * rep["mesh"].get("fsdp", 1)
-    assert len(gathers) == 1 and data_ax == 2  # each of the 2 data columns moves the full payload
+
+
+@needs_libtpu
+def test_topology_libtpu_does_not_know_is_one_line_error():
+    with pytest.raises(ConfigError) as e:
+        C.tpu_devices("v5e:3x7")
+    assert e.value.field == "--topology" and "v5e:3x7" in str(e.value) and "\n" not in str(e.value)
+
+
+@needs_libtpu
+def test_cli_bad_mesh_for_topology_exits_2_before_compiling(capsys):
+    rc = C.main(["--config", "experiments/toy.py:streaming", "--topology", "v5e:2x2", "--config.mesh.fsdp=3"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("diloco compile: mesh.fsdp: 3 does not divide") and "\n" not in err
