@@ -32,6 +32,13 @@ def test_hlo_parsing_hand_written():
     assert C.shape_bytes("(f32[4]{0}, u8[3]{0}, token[])") == 19
 
 
+def test_without_libtpu_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "libtpu", None)  # import libtpu → ImportError
+    with pytest.raises(ConfigError) as e:
+        C.tpu_devices("v5e:2x2")
+    assert "pip install -e '.[tpu]'" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_unknown_topology_is_one_line_error():
     with pytest.raises(ConfigError, match=r"^--topology: .*v9z"):
         C.tpu_devices("v9z:2x2")
