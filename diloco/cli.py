@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reproduce": ("diloco.reproduce", "the main job: toy reproduction of the paper into results/"),
     "launch": ("diloco.distributed", "start one process per replica (jax.distributed) on this machine"),
     "netbench": ("diloco.netbench", "measure achieved throughput between replica processes"),
+    "compile": ("diloco.compile", "compile a run for a TPU topology here: per-chip memory, FLOPs, collectives"),
 }
 
 

@@ -202,12 +202,12 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         codec_from_config(cfg)
     n_dev = num_devices
     if n_dev is not None:
-        r_axis = replica_axis_size(cfg, n_dev)
+        r_axis, data_axis, fsdp_axis = mesh_shape(cfg, n_dev)
         per_dev = cfg.batch_size // cfg.replicas if cfg.method != "dp" else cfg.batch_size
-        data_axis = n_dev // r_axis
-        if per_dev % data_axis:
-            raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the {data_axis} "
-                              f"devices of the data axis ({n_dev} devices); use a multiple of {data_axis}")
+        if per_dev % (data_axis * fsdp_axis):
+            raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the "
+                              f"{data_axis * fsdp_axis} devices of the data×fsdp axes ({n_dev} devices); "
+                              f"use a multiple of {data_axis * fsdp_axis}")
     if cfg.downstream.tasks:
         _validate_downstream(cfg, check_data)
     if check_data:
@@ -267,6 +267,28 @@ def replica_axis_size(cfg, n_dev: int) -> int:
     if cfg.mesh.replica_axis:
         raise ConfigError("mesh.replica_axis", f"{want} must divide both the {n_dev} devices and replicas={cfg.replicas}")
     return 1
+
+
+def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
+    """(replica, data, fsdp) axis sizes for n_dev devices. mesh.data / mesh.fsdp: a size, or -1 for the
+    devices of a replica left over by the other (default data=-1, fsdp=1: every device on data)."""
+    r_axis = replica_axis_size(cfg, n_dev)
+    per = n_dev // r_axis
+    data, fsdp = int(cfg.mesh.get("data", -1)), int(cfg.mesh.get("fsdp", 1))
+    for field, v in (("mesh.data", data), ("mesh.fsdp", fsdp)):
+        if v == 0 or v < -1:
+            raise ConfigError(field, f"{v} must be ≥ 1, or -1 for the remaining devices")
+        if v > 0 and per % v:
+            raise ConfigError(field, f"{v} does not divide the {per} devices of one replica ({n_dev} devices / "
+                              f"replica axis {r_axis}); use a divisor of {per}")
+    if data == -1 and fsdp == -1:
+        raise ConfigError("mesh.fsdp", "mesh.data and mesh.fsdp are both -1; give one of them a size")
+    data = per // fsdp if data == -1 else data
+    fsdp = per // data if fsdp == -1 else fsdp
+    if data * fsdp != per:
+        raise ConfigError("mesh.fsdp", f"mesh.data={data} × mesh.fsdp={fsdp} = {data * fsdp} ≠ the {per} devices of "
+                          f"one replica ({n_dev} devices / replica axis {r_axis}); set one of them to -1")
+    return r_axis, data, fsdp
 
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:

@@ -22,7 +22,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diloco.config import replica_axis_size
+from diloco.config import mesh_shape
 from diloco.data import get_vocabulary
 from diloco.model import ModelConfig, Transformer, loss_fn
 from diloco.outer.codecs import codec_from_config
@@ -72,11 +72,13 @@ class Trainer:
         self.is_dp = cfg.method == "dp"
         self.R = 1 if self.is_dp else cfg.replicas
         devices = list(devices if devices is not None else jax.devices())
-        r_axis = replica_axis_size(cfg, len(devices))
-        self.mesh = Mesh(np.array(devices).reshape(r_axis, len(devices) // r_axis), ("replica", "data"))
+        self.mesh = Mesh(np.array(devices).reshape(mesh_shape(cfg, len(devices))), ("replica", "data", "fsdp"))
         self.rep_sharding = NamedSharding(self.mesh, P("replica"))
         self.repl_sharding = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("replica", "data"))
+        self.batch_sharding = NamedSharding(self.mesh, P("replica", ("data", "fsdp")))
+        n_dev = len(devices)  # the eval batch is split over every device when its rows allow
+        self.eval_batch_sharding = (NamedSharding(self.mesh, P(("replica", "data", "fsdp")))
+                                    if (cfg.batch_size // self.R * self.R) % n_dev == 0 else self.repl_sharding)
         self.vocab = get_vocabulary(cfg.vocab)
         self.mcfg = model_config(cfg, padded_vocab_size(self.vocab.vocab_size))
         self.model = Transformer(self.mcfg)
@@ -91,7 +93,7 @@ class Trainer:
                              outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
             self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
-                                      self.R, cfg.seed, self._overlap(sync, comm_devices, timeline))
+                                      self.R, cfg.seed, self._overlap(sync, comm_devices, timeline), self.constrain)
         self._jit: dict[Any, Any] = {}
 
     def _overlap(self, sync, comm_devices, timeline):
@@ -129,11 +131,36 @@ class Trainer:
         return TrainState(params=params_R, opt=jax.vmap(self.tx.init)(params_R), step=jnp.zeros((), jnp.int32),
                           outer=self.sync.init(params) if self.sync is not None else None)
 
+    def param_sharding(self, shape_R) -> NamedSharding:
+        """A replica-stacked leaf (R, …): `replica` on the leading axis, `fsdp` by `fsdp_spec`."""
+        return NamedSharding(self.mesh, P("replica", *fsdp_spec(tuple(shape_R[1:]), self.mesh.shape["fsdp"])))
+
+    def outer_param_sharding(self, shape) -> NamedSharding:
+        """θᵍ: sharded like one replica's parameters, without the replica axis."""
+        return NamedSharding(self.mesh, P(*fsdp_spec(tuple(shape), self.mesh.shape["fsdp"])))
+
+    def flat_sharding(self, shape) -> NamedSharding:
+        """Outer per-fragment flat vectors (momentum, pending Δ): over data×fsdp when they divide."""
+        k = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        ok = len(shape) == 1 and k > 1 and shape[0] % k == 0
+        return NamedSharding(self.mesh, P(("data", "fsdp")) if ok else P())
+
     def shardings(self, state: TrainState) -> TrainState:
-        rep = lambda tree: jax.tree_util.tree_map(lambda _: self.rep_sharding, tree)
-        repl = lambda tree: jax.tree_util.tree_map(lambda _: self.repl_sharding, tree)
-        return TrainState(params=rep(state.params), opt=rep(state.opt), step=self.repl_sharding,
-                          outer=repl(state.outer) if state.outer is not None else None)
+        rep = lambda tree: jax.tree_util.tree_map(
+            lambda x: self.param_sharding(x.shape) if x.ndim >= 1 else self.repl_sharding, tree)
+        outer = None
+        if state.outer is not None:
+            flat = lambda tree: jax.tree_util.tree_map(lambda x: self.flat_sharding(x.shape), tree)
+            outer = state.outer.replace(
+                params=jax.tree_util.tree_map(lambda x: self.outer_param_sharding(x.shape), state.outer.params),
+                opt=flat(state.outer.opt), pending=flat(state.outer.pending))
+        return TrainState(params=rep(state.params), opt=rep(state.opt), step=self.repl_sharding, outer=outer)
+
+    def constrain(self, state: TrainState) -> TrainState:
+        """Inside a jitted program: the state in its own layout (GSPMD would otherwise pick one)."""
+        if "shardings" not in self._jit:
+            self._jit["shardings"] = self.shardings(jax.eval_shape(self.init_state))
+        return jax.lax.with_sharding_constraint(state, self._jit["shardings"])
 
     def abstract_state(self) -> TrainState:
         shapes = jax.eval_shape(self.init_state)
@@ -194,7 +221,9 @@ class Trainer:
             finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
             return optax.apply_updates(params, updates), opt2, ce, finite
 
-        flat_reduce = self.mesh.shape["data"] > 1
+        # With fsdp = 1 (parameters whole on every chip of a replica) the gradient mean over `data` is
+        # one flat all-reduce; with fsdp > 1 GSPMD places the reduce-scatters/all-gathers itself.
+        flat_reduce = self.mesh.shape["data"] > 1 and self.mesh.shape["fsdp"] == 1
         if flat_reduce:
             # Gradients averaged over the `data` axis as ONE flat vector (token-weighted, so the
             # masked mean is exact): GSPMD would all-reduce a tuple of every parameter's gradient,
@@ -202,7 +231,7 @@ class Trainer:
             # 0.8 ms as one, docs/distributed.md).
             from jax.flatten_util import ravel_pytree
 
-            _, unravel = ravel_pytree(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), self.param_shapes))
+            unravel = unraveler(self.param_shapes)  # from shapes only: nothing of the model's size on the host
 
             def local(params_r, tokens_r, *poison_r):
                 def g1(params, tokens, *pz):
@@ -232,7 +261,8 @@ class Trainer:
                     ok = fin_R.reshape((-1,) + (1,) * (a.ndim - 1))
                     return jnp.where(ok, a, b)
                 return jax.tree_util.tree_map(pick, new, old)
-            return state.replace(params=keep(p, state.params), opt=keep(o, state.opt), step=state.step + 1), ce_R, fin_R
+            new = state.replace(params=keep(p, state.params), opt=keep(o, state.opt), step=state.step + 1)
+            return self.constrain(new), ce_R, fin_R
 
         return step
 
@@ -243,6 +273,32 @@ class Trainer:
 
     def dp_bytes_per_replica(self) -> int:
         return self.n_params * np.dtype(jnp.dtype(self.cfg.dp_grad_dtype)).itemsize
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple:
+    """Per-dimension PartitionSpec entries of one parameter inside a replica: its largest dimension
+    divisible by the fsdp size goes on `fsdp` (first on ties); none (replicated) when fsdp = 1 or no
+    dimension divides. The one place to swap for logical-axis rules."""
+    spec: list = [None] * len(shape)
+    if fsdp > 1:
+        dims = [k for k, d in enumerate(shape) if d % fsdp == 0]
+        if dims:
+            spec[max(dims, key=lambda k: (shape[k], -k))] = "fsdp"
+    return tuple(spec)
+
+
+def unraveler(shapes):
+    """ravel_pytree's unravel for a tree of ShapeDtypeStructs, built without allocating anything:
+    the flat vector is split in tree-leaf order, reshaped and cast back to each leaf's dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    sizes = [int(np.prod(x.shape)) for x in leaves]
+    cuts = np.cumsum(sizes)[:-1].tolist()
+
+    def unravel(flat):
+        parts = jnp.split(flat, cuts)
+        return jax.tree_util.tree_unflatten(
+            treedef, [p.reshape(x.shape).astype(x.dtype) for p, x in zip(parts, leaves)])
+    return unravel
 
 
 def load_run(workdir: str | os.PathLike) -> tuple[Any, Trainer, TrainState]:

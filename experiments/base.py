@@ -43,7 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=3e-3, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.1, b1=0.9, b2=0.99, clip_norm=1.0))
     c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan=False, z_loss=1e-4))
-    c.mesh = ml_collections.ConfigDict(dict(replica_axis=0))  # 0: auto (M if the devices allow, else 1)
+    # replica_axis 0: auto (M if the devices allow, else 1). Inside a replica the devices are data × fsdp
+    # (one of them -1: the remaining devices); fsdp > 1 shards params, AdamW moments and the outer state.
+    c.mesh = ml_collections.ConfigDict(dict(replica_axis=0, data=-1, fsdp=1))
     c.downstream = ml_collections.ConfigDict(dict(tasks="", every=0, limit=0, data_dir=""))
     c.faults = ml_collections.ConfigDict(dict(
         miss_sync_replica=-1, miss_sync_step=0,           # replica m skips the send at that step

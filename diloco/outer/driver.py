@@ -27,8 +27,10 @@ Check = Callable[[Any, int, int, Any], None]
 
 
 class OuterDriver:
-    def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, overlap=None):
+    def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, overlap=None,
+                 constrain: Callable[[Any], Any] | None = None):
         self.sync, self.schedule, self.R, self.overlap = sync, schedule, R, overlap
+        self.constrain = constrain or (lambda state: state)  # pins each program's output to the state's layout
         self.base_key = jax.random.PRNGKey(seed + 1)
         self._jit: dict[tuple[str, int, bool], Any] = {}
 
@@ -55,7 +57,8 @@ class OuterDriver:
                     return state.replace(params=sync.merge(state.params, state.outer, p, mask_R))
             else:
                 raise ValueError(f"unknown outer operation {kind!r}")
-            self._jit[(kind, p, donate)] = jax.jit(f, donate_argnums=(0,) if donate else ())
+            self._jit[(kind, p, donate)] = jax.jit(lambda *a, _f=f: self.constrain(_f(*a)),
+                                                   donate_argnums=(0,) if donate else ())
         return self._jit[(kind, p, donate)]
 
     def key(self, t: int, p: int):

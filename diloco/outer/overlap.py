@@ -38,9 +38,10 @@ def overlap_unsupported(mesh, comm_devices) -> str | None:
     comm_devices[i] serves replica row i of the mesh and must be on the same process."""
     if not comm_devices:
         return "no comm device (diloco launch --comm_device)"
-    if mesh.shape["data"] != 1:
-        return f"the mesh has a data axis of {mesh.shape['data']}; the overlapped exchange needs data = 1"
-    rows = list(mesh.devices[:, 0])
+    inner = mesh.devices.size // mesh.shape["replica"]
+    if inner != 1:
+        return f"the mesh has {inner} devices per replica (data × fsdp); the overlapped exchange needs 1"
+    rows = list(replica_rows(mesh))
     if len(comm_devices) != len(rows):
         return f"{len(comm_devices)} comm devices for {len(rows)} replica rows; one each is needed"
     if set(comm_devices) & set(mesh.devices.flat):
@@ -49,6 +50,11 @@ def overlap_unsupported(mesh, comm_devices) -> str | None:
         if r.process_index != c.process_index:
             return f"comm device {i} is on process {c.process_index}, replica row {i} on {r.process_index}"
     return None
+
+
+def replica_rows(mesh) -> np.ndarray:
+    """The first device of each replica row (every mesh axis after `replica` at index 0)."""
+    return mesh.devices.reshape(mesh.shape["replica"], -1)[:, 0]
 
 
 class OverlappedExchange:
@@ -62,7 +68,7 @@ class OverlappedExchange:
         if why:
             raise ValueError(why)
         self.jax, self.mesh, self.sync, self.timeline = jax, mesh, sync, timeline
-        self.comm_of = dict(zip(mesh.devices[:, 0], comm_devices))  # compute device of a row → its comm device
+        self.comm_of = dict(zip(replica_rows(mesh), comm_devices))  # compute device of a row → its comm device
         self.comm_mesh = Mesh(np.array(list(comm_devices)), ("replica",))
         self.xsync = dataclasses.replace(sync, mesh=self.comm_mesh)
         self.rep = NamedSharding(mesh, P("replica"))

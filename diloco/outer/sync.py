@@ -7,8 +7,10 @@
               optax state: a non-synced fragment's momentum is never touched).
   merge(p):   θ_m,p ← α·θ_m,p + (1−α)·θ^g_p on the replicas in `mask`.
 
-Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is
-replicated, and identical on every replica by construction.
+Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is identical
+on every replica by construction, and sharded over the chips of a replica (the Trainer's layout).
+With a mesh whose replica rows have several chips (data × fsdp), each chip encodes and exchanges only
+its own slice of a fragment when the slices are whole codec blocks (`OuterSync.shards`).
 
 Δ is computed in one place (`OuterSync.delta`) and the averaged Δ is written into the pending
 buffer in one place (`OuterSync.with_pending`); the blocking send and the overlapped exchange
@@ -75,11 +77,26 @@ class OuterSync:
         keys_R = jax.random.split(key, delta_Rxn.shape[0])
         return self.with_pending(outer, p, self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32)))
 
+    def shards(self, n: int) -> int:
+        """Chips of one replica that split fragment vectors of length n for the exchange: each encodes
+        and gathers over `replica` only its own slice, so the bytes crossing `replica` are the bytes
+        counted. 1 (every chip of a replica moves the whole payload) unless the slices are whole codec
+        blocks (so the encoding is the unsharded one's, byte for byte) and rounding is deterministic."""
+        if self.mesh is None or self.mesh.shape["replica"] == 1:
+            return 1
+        k = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        c = self.codec
+        if k == 1 or c.name in codecs.SPARSE_NAMES or (c.rounding == "stochastic" and c.name != "none"):
+            return 1
+        unit = {"none": 1, "bf16": 1, "e3m0": int(np.lcm(c.block_size, 2))}.get(c.name, c.block_size)
+        return k if n % (k * unit) == 0 else 1
+
     def exchange(self, delta_Rxn, keys_R, w_R):
         """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,)."""
-        codec, n = self.codec, delta_Rxn.shape[1]
+        codec = self.codec
 
         def local(delta_rxn, keys_r, w_r, gather):
+            n = delta_rxn.shape[1]  # this chip's slice of the fragment (the whole one when unsharded)
             if codec.name == "none":  # plain fp32: a sum-reduction is the cheapest honest exchange
                 s = gather_sum(delta_rxn * w_r[:, None], w_r, gather)
                 return s
@@ -97,9 +114,11 @@ class OuterSync:
         if self.mesh is None or self.mesh.shape["replica"] == 1:
             return local(delta_Rxn, keys_R, w_R, _identity)
         gather = functools.partial(jax.lax.all_gather, axis_name="replica", tiled=True)
+        inner = tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)
+        split = self.shards(delta_Rxn.shape[1]) > 1
         fn = jax.shard_map(functools.partial(local, gather=gather), mesh=self.mesh,
-                           in_specs=(P("replica"), P("replica"), P("replica")), out_specs=P(),
-                           check_vma=False)
+                           in_specs=(P("replica", inner if split else None), P("replica"), P("replica")),
+                           out_specs=P(inner) if split else P(), check_vma=False)
         return fn(delta_Rxn, keys_R, w_R)
 
     # -- update and merge --------------------------------------------------------------------------

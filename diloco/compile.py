@@ -1,0 +1,328 @@
+"""`diloco compile --config SPEC --topology v5e:2x2 [--slices K] [--json]`: prove a run fits a TPU slice.
+
+On this CPU machine, libtpu describes a real TPU topology (`jax.experimental.topologies`); the
+project's own Trainer is built on those devices and each of its programs is lowered and compiled
+ahead of time with abstract arguments (nothing is allocated, no TPU is needed):
+
+  inner           one AdamW step per replica (Trainer.inner_step)
+  send/update/merge p   every fragment's outer operations (OuterDriver.program)
+  eval            the evaluation loss on θᵍ (Trainer.eval_fn)
+
+For each: per-chip HBM (arguments, temporaries, outputs, peak) from `memory_analysis()`, FLOPs from
+`cost_analysis()`, compile seconds, and every collective parsed from the compiled HLO (kind, operand
+bytes, the mesh axes its groups span, whether it crosses slices). Exit 1 when the run does not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from diloco.errors import ConfigError
+
+GiB = 1 << 30
+# HBM per chip (Cloud TPU system architecture pages): v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB.
+# XLA keeps a little for itself (the usable limit it reports is ≈ 0.25 GiB lower).
+CHIP_HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+INSTALL_HINT = "diloco compile needs libtpu (it compiles for TPU on this machine): pip install -e '.[tpu]'"
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+
+
+# -- topology ------------------------------------------------------------------------------------
+def tpu_devices(topology: str, slices: int = 1) -> list:
+    """The devices of a TPU topology described by libtpu (no TPU needed), slice by slice."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu's lock
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")          # no GCE metadata server here
+    chip = topology.split(":")[0]
+    if chip not in CHIP_HBM_BYTES:
+        raise ConfigError("--topology", f"{topology!r}: unknown chip {chip!r}; use NAME:SHAPE with NAME one of "
+                          f"{sorted(CHIP_HBM_BYTES)}, e.g. v5e:2x2, v5p:2x2x2, v4:2x2x2")
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ConfigError("--topology", INSTALL_HINT) from None
+    from jax.experimental import topologies
+
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, num_slices=slices)
+    except Exception as e:  # libtpu's own message, on one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("--topology", f"libtpu does not know {topology!r} (slices={slices}): {first}") from None
+    return sorted(desc.devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))
+
+
+# -- HLO parsing ---------------------------------------------------------------------------------
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (tuples summed, tokens 0): 'f32[2,128]{1,0}' → 1024."""
+    total = 0.0
+    for dt, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
+        size = _DTYPE_BYTES.get(dt, 1 if dt.startswith("f8") else None)
+        if size is None:
+            continue
+        total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return int(total)
+
+
+def _groups(attrs: str) -> list[list[int]] | None:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?\s*\{([^}]*)\}", attrs)
+    if m:  # mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups vary along the named axes
+        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        sizes = [n for _, n in axes]
+        ids = np.arange(int(np.prod(sizes)))
+        if m.group(2):
+            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(sizes)
+        names = [a for a, _ in axes]
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest = [k for k in range(len(names)) if k not in grouped]
+        ids = ids.transpose(rest + grouped)
+        return ids.reshape(-1, int(np.prod([sizes[k] for k in grouped] or [1]))).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:  # iota form: [G,S]<=[dims]T(perm)
+        gshape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(gshape[0], -1).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return groups or None  # {}: every device in one group
+    return None
+
+
+def parse_collectives(hlo: str, mesh=None) -> list[dict]:
+    """Every collective of a compiled HLO module: kind, operand bytes, groups → mesh axes, slices.
+
+    Async pairs (`all-gather-start` … `all-gather-done`) are one entry with async=True; cross-slice
+    transfers that XLA lowers to DCN send/recv (`_xla_megascale_transfer_type`) are counted once
+    (the send), with crosses_slices=True."""
+    shapes: dict[str, str] = {}
+    rows = []
+    for line in hlo.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        dcn = re.search(r'_xla_megascale_transfer_type="(\w+)"', rest)
+        if base not in _COLLECTIVES and not (op == "send" and dcn):
+            continue
+        args = rest.split(")", 1)[0]
+        operands = re.findall(r"%([\w.\-]+)", args)
+        nbytes = sum(shape_bytes(shapes.get(o, "")) for o in operands)
+        row: dict[str, Any] = {"kind": base if not dcn else "dcn-" + dcn.group(1).lower().replace("_", "-"),
+                               "operand_bytes": nbytes, "async": op.endswith("-start"), "name": name}
+        groups = _groups(rest)
+        if groups is None and mesh is not None and base in _COLLECTIVES and "replica_groups={}" in rest:
+            groups = [list(range(mesh.devices.size))]
+        row["group_size"] = len(groups[0]) if groups else None
+        row["axes"], row["crosses_slices"] = _span(groups, mesh) if (groups and mesh is not None) else ([], False)
+        if dcn:
+            row["axes"], row["crosses_slices"] = slice_axes(mesh) if mesh is not None else [], True
+        rows.append(row)
+    return rows
+
+
+def _span(groups: list[list[int]], mesh) -> tuple[list[str], bool]:
+    """Mesh axes along which a group's members differ, and whether a group spans two slices.
+    Group ids are positions in the mesh's flattened device order (the program's device assignment)."""
+    devs = mesh.devices.reshape(-1)
+    axes: set[str] = set()
+    cross = False
+    for g in groups:
+        coords = np.array([np.unravel_index(i, mesh.devices.shape) for i in g if i < devs.size])
+        if coords.size == 0:
+            continue
+        axes |= {a for k, a in enumerate(mesh.axis_names) if len(set(coords[:, k])) > 1}
+        cross |= len({getattr(devs[i], "slice_index", 0) for i in g if i < devs.size}) > 1
+    return [a for a in mesh.axis_names if a in axes], cross
+
+
+def slice_axes(mesh) -> list[str]:
+    """Mesh axes along which the slice index changes (those that cross DCN)."""
+    sl = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+    return [a for k, a in enumerate(mesh.axis_names) if (np.diff(sl, axis=k) != 0).any()]
+
+
+# -- compiling the trainer's programs ------------------------------------------------------------
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (the largest shard per leaf)."""
+    import jax
+
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def compile_one(name: str, jitted, args, mesh) -> dict:
+    t0 = time.time()
+    lowered = jitted.lower(*args)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # XLA's RESOURCE_EXHAUSTED: does not fit
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return {"program": name, "compiled": False, "error": msg[:500], "compile_seconds": time.time() - t0,
+                "fits": False}
+    secs = time.time() - t0
+    ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    mem = {"argument_bytes": int(ma.argument_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes),
+           "alias_bytes": int(ma.alias_size_in_bytes), "temp_bytes": int(ma.temp_size_in_bytes),
+           "code_bytes": int(ma.generated_code_size_in_bytes)}
+    peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+    mem["peak_bytes"] = max(peak, mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
+                            + mem["temp_bytes"])
+    return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
+            "flops": float(cost.get("flops", 0.0)), "collectives": parse_collectives(compiled.as_text(), mesh)}
+
+
+def compile_trainer(cfg, devices, only: set[str] | None = None) -> dict:
+    """Build the Trainer on `devices` and compile its programs (all, or those named in `only`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from diloco.trainer import Trainer
+
+    tr = Trainer(cfg, devices=devices)
+    mesh = tr.mesh
+    repl = NamedSharding(mesh, P())
+    state = tr.abstract_state()
+    L = cfg.seq_len
+    batch = jax.ShapeDtypeStruct((tr.R, cfg.batch_size // tr.R, L), jnp.int32, sharding=tr.batch_sharding)
+    todo = [("inner", jax.jit(tr.inner_step(), donate_argnums=(0,)), (state, batch))]
+    if tr.driver is not None:
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl)
+        contrib = jax.ShapeDtypeStruct((tr.R,), jnp.float32, sharding=repl)
+        mask = jax.ShapeDtypeStruct((tr.R,), jnp.bool_, sharding=repl)
+        for p in range(tr.driver.P):
+            todo += [(f"send {p}", tr.driver.program("send", p), (state, key, contrib)),
+                     (f"update {p}", tr.driver.program("update", p), (state,)),
+                     (f"merge {p}", tr.driver.program("merge", p), (state, mask))]
+    eparams = state.outer.params if state.outer is not None else jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x)), state.params)
+    ebatch = jax.ShapeDtypeStruct((cfg.batch_size // tr.R * tr.R, L), jnp.int32, sharding=eval_batch_sharding(tr))
+    todo.append(("eval", tr.eval_fn(), (eparams, ebatch)))
+    state_bytes = per_chip_bytes(state)
+    eval_param_bytes = per_chip_bytes(todo[-1][2][0])
+    out = []
+    for name, fn, args in todo:
+        if only is not None and name not in only:
+            continue
+        r = compile_one(name, fn, args, mesh)
+        if r["compiled"]:
+            # programs run one after another while the whole state stays resident: eval's arguments
+            # are only θᵍ, so the rest of the state is added to its peak.
+            resident = state_bytes - eval_param_bytes if name == "eval" else 0
+            r["memory"]["resident_bytes"] = resident
+            r["peak_bytes_per_chip"] = r["memory"]["peak_bytes"] + resident
+        out.append(r)
+    return {"trainer": tr, "state_bytes_per_chip": state_bytes, "programs": out}
+
+
+def eval_batch_sharding(tr):
+    """The eval batch's sharding (the Trainer's if it has one, else replicated)."""
+    return getattr(tr, "eval_batch_sharding", tr.repl_sharding)
+
+
+def eval_param_sharding(tr, x):
+    fn = getattr(tr, "outer_param_sharding", None)
+    return fn(x.shape[1:]) if fn else tr.repl_sharding
+
+
+def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None) -> dict:
+    from diloco.config import validate
+
+    devices = tpu_devices(topology, slices)
+    validate(cfg, check_data=False, num_devices=len(devices))
+    hbm = CHIP_HBM_BYTES[topology.split(":")[0]]
+    got = compile_trainer(cfg, devices, only)
+    tr, progs = got["trainer"], got["programs"]
+    for r in progs:
+        if r["compiled"]:
+            r["fits"] = r["peak_bytes_per_chip"] <= hbm
+    peak = max((r.get("peak_bytes_per_chip", 0) for r in progs), default=0)
+    colls = [dict(c, program=r["program"]) for r in progs for c in r.get("collectives", [])]
+    return {"topology": topology, "slices": slices, "chips": len(devices), "chip_kind": devices[0].device_kind,
+            "chip_hbm_bytes": hbm, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
+            "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
+            "fits": all(r["fits"] for r in progs), "programs": progs, "collectives": colls,
+            "bytes_per_replica": ({p: tr.driver.bytes_per_replica(p) for p in range(tr.driver.P)}
+                                  if tr.driver is not None else {}),
+            # chips of a replica that split each fragment's exchange (1: every chip moves all of it)
+            "exchange_shards": ({p: tr.sync.shards(tr.sync.frags.sizes[p]) for p in range(tr.driver.P)}
+                                if tr.driver is not None else {})}
+
+
+def _gb(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 4 else f"{n / (1 << 20):.2f} MiB"
+
+
+def text_report(rep: dict) -> str:
+    lines = [f"{rep['method']} {rep['scale']} ({rep['params']:,} params) on {rep['topology']}"
+             f"{' ×' + str(rep['slices']) + ' slices' if rep['slices'] > 1 else ''}: {rep['chips']} chips "
+             f"({rep['chip_kind']}, {_gb(rep['chip_hbm_bytes'])} HBM each), mesh {rep['mesh']}",
+             f"state per chip {_gb(rep['state_bytes_per_chip'])}; peak per chip {_gb(rep['peak_bytes_per_chip'])} "
+             f"→ {'fits' if rep['fits'] else 'DOES NOT FIT'}", "",
+             f"{'program':<10} {'args':>10} {'temp':>10} {'out':>10} {'peak':>10} {'fits':>5} {'compile s':>9} "
+             f"{'GFLOP':>10}  collectives"]
+    for r in rep["programs"]:
+        if not r["compiled"]:
+            lines.append(f"{r['program']:<10} did not compile: {r['error']}")
+            continue
+        m = r["memory"]
+        agg: dict[tuple, list[int]] = {}
+        for c in r["collectives"]:
+            k = (c["kind"], "×".join(c["axes"]) or "-", c["crosses_slices"], c["async"])
+            agg.setdefault(k, [0, 0])
+            agg[k][0] += 1
+            agg[k][1] += c["operand_bytes"]
+        cs = "; ".join(f"{n}× {kind}{' async' if asy else ''} over {ax}{' (DCN)' if dcn else ''}: {b:,} B"
+                       for (kind, ax, dcn, asy), (n, b) in agg.items())
+        lines.append(f"{r['program']:<10} {_gb(m['argument_bytes']):>10} {_gb(m['temp_bytes']):>10} "
+                     f"{_gb(m['output_bytes']):>10} {_gb(r['peak_bytes_per_chip']):>10} {'yes' if r['fits'] else 'NO':>5} "
+                     f"{r['compile_seconds']:>9.1f} {r['flops'] / 1e9:>10.2f}  {cs or '-'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="diloco compile",
+                                 description="Compile a run's programs for a TPU topology on this machine; "
+                                             "report per-chip memory, FLOPs and collectives.")
+    ap.add_argument("--config", required=True, help="experiments/<file>.py[:arg], e.g. experiments/toy.py:streaming")
+    ap.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:2x2x2, v4:2x2x2")
+    ap.add_argument("--slices", type=int, default=1, help="number of slices (multislice over DCN)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--programs", default="", help="comma-separated subset, e.g. 'inner,send 0,eval' (default: all)")
+    args, overrides = ap.parse_known_args(argv)
+    from diloco.config import load_config
+
+    try:
+        if args.slices < 1:
+            raise ConfigError("--slices", f"{args.slices} must be ≥ 1")
+        cfg = load_config(args.config, overrides, check_data=False)
+        rep = report(cfg, args.topology, args.slices,
+                     {p.strip() for p in args.programs.split(",")} if args.programs else None)
+    except ConfigError as e:
+        print(f"diloco compile: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep, default=str) if args.json else text_report(rep))
+    return 0 if rep["fits"] else 1
