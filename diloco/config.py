@@ -186,6 +186,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
     _one_of(cfg, "eval_drain", ("final", "every"))
+    _one_of(cfg, "exchange", ("auto", "blocking", "in_step"))
     _one_of(cfg, "faults.nan_policy", ("stop", "skip"))
     _validate_faults(cfg)
     if cfg.method != "dp":
@@ -198,7 +199,10 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         if cfg.method == "diloco" and (cfg.fragments > 1 or cfg.layers_per_fragment or cfg.tau or cfg.replica_tau):
             raise ConfigError("method", "diloco is P=1, tau=0; for fragments or overlap use method=streaming")
         P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
-        make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
+        sched = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
+        if cfg.exchange == "in_step" and sched.tau_min < 1:
+            raise ConfigError("exchange", "in_step runs a send's exchange inside the next inner step, so it needs "
+                              f"tau ≥ 1 (got tau={sched.tau_min}); use exchange=blocking or exchange=auto")
         codec_from_config(cfg)
     n_dev = num_devices
     if n_dev is not None:

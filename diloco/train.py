@@ -194,7 +194,7 @@ class Run:
         tokens_RxBxL = self.dist.global_array(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
         active = tr.schedule.next_sender(t) if cfg.freeze_non_syncing and tr.schedule is not None else None
         t_start = time.perf_counter()
-        self.state, ce_R, fin_R = tr.inner_step_fn(active)(self.state, tokens_RxBxL, *self.faults.poison(t, "loss"))
+        self.state, ce_R, fin_R = tr.step(self.state, tokens_RxBxL, active, self.faults.poison(t, "loss"), self.check)
         # This process's replicas only (no collective per step: it would queue behind an exchange
         # in flight); the whole window is gathered at the next log row or checkpoint.
         fin_local = self.dist.local_rows(fin_R)

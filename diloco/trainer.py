@@ -93,7 +93,9 @@ class Trainer:
                              outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
             self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
-                                      self.R, cfg.seed, self._overlap(sync, comm_devices, timeline), self.constrain)
+                                      self.R, cfg.seed, self._overlap(sync, comm_devices, timeline), self.constrain,
+                                      in_step=cfg.exchange == "in_step" or (
+                                          cfg.exchange == "auto" and devices[0].platform in ("tpu", "gpu")))
         self._jit: dict[Any, Any] = {}
 
     def _overlap(self, sync, comm_devices, timeline):
@@ -197,6 +199,14 @@ class Trainer:
         if ("inner", active) not in self._jit:
             self._jit[("inner", active)] = jax.jit(self.inner_step(active), donate_argnums=(0,))
         return self._jit[("inner", active)]
+
+    def step(self, state: TrainState, tokens_RxBxL, active: int | None = None, poison: tuple = (), check=None):
+        """One inner step; with exchange=in_step it also carries the exchange of the send after the
+        previous step (OuterDriver.inner_step)."""
+        fn = self.inner_step_fn(active)
+        if self.driver is None:
+            return fn(state, tokens_RxBxL, *poison)
+        return self.driver.inner_step(state, tokens_RxBxL, fn, self.inner_step(active), active, poison, check)
 
     def inner_step(self, active: int | None = None):
         """The un-jitted inner step (for `inner_step_fn` and for compiling it into other programs)."""

@@ -18,6 +18,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_batches = 8
     # θᵍ evaluated with the fragments still in flight applied (outer step + merge), as at the next
     # sync boundary: 'final' (the summary's final_eval_loss) or 'every' (every eval row too)
+    # where a send's exchange runs: "blocking" (its own program), "in_step" (inside the next inner
+    # step's program, so it overlaps that step's compute on TPU/GPU; needs tau ≥ 1), "auto" (in_step on
+    # TPU/GPU when tau ≥ 1, else blocking; a comm device — diloco launch --comm_device — wins on CPU)
+    c.exchange = "auto"
     c.eval_drain = "final"
     c.checkpoint_every = 100
     c.keep_checkpoints = 2

@@ -222,3 +222,12 @@ def test_shared_eval_data_is_accepted(shared_dir):
     """The positive control: the real validation items in their original schemas pass the same checks."""
     tiny_config("streaming", **{"downstream.tasks": "piqa,hellaswag,arc_easy",
                                 "downstream.data_dir": str(shared_dir / "data" / "eval")})
+
+
+def test_exchange_in_step_needs_tau_at_least_one():
+    from conftest import tiny_config
+
+    with pytest.raises(ConfigError, match=r"exchange.*needs tau ≥ 1 \(got tau=0\)"):
+        tiny_config("streaming", tau=0, exchange="in_step")
+    with pytest.raises(ConfigError, match=r"exchange.*not one of"):
+        tiny_config("streaming", exchange="fused")

@@ -416,3 +416,54 @@ def test_mesh_defaults_keep_every_device_on_data():
     assert mesh_shape(tiny_config("dp", batch_size=16), 8) == (1, 8, 1)
     assert mesh_shape(tiny_config("streaming", batch_size=16), 8) == (2, 4, 1)
     assert mesh_shape(tiny_config("streaming", batch_size=16, **{"mesh.fsdp": -1, "mesh.data": 2}), 8) == (2, 2, 2)
+
+
+def run_exchange(cfg, bs, settle_at=(), settle_end=True):
+    """Drive trainer + driver over batches as the loop does; (trainer, host state)."""
+    tr = Trainer(cfg)
+    st = tr.fresh_state()
+    for t, b in enumerate(bs, start=1):
+        st, _, _ = tr.step(st, jnp.asarray(b.reshape(tr.R, -1, b.shape[-1])))
+        st, _ = tr.driver.after_step(st, t)
+        if t in settle_at:  # a checkpoint: the deferred exchange runs blocking
+            st = tr.driver.settle(st)
+    return tr, jax.tree_util.tree_map(np.asarray, tr.driver.settle(st) if settle_end else st)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0"),
+    dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none"),           # τ > H/P: two fragments in flight
+    dict(layers_per_fragment=1, tau=3, alpha=0.5, codec="bf16", pattern="sequential"),
+    dict(layers_per_fragment=0, fragments=1, tau=1, alpha=0.0, codec="e3m0"),
+    dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="e3m0"),  # heterogeneous τ
+])
+def test_exchange_inside_the_next_inner_step_gives_the_blocking_numbers(kw):
+    """exchange=in_step (the send's exchange carried by the next inner step's program) is bit-identical
+    to the blocking send, also when a checkpoint forces a deferred exchange to run on its own."""
+    bs = batches(14)
+    cfg = lambda ex: tiny_config("streaming", H=4, steps=14, exchange=ex, **kw)
+    blocking, a = run_exchange(cfg("blocking"), bs)
+    in_step, b = run_exchange(cfg("in_step"), bs)
+    _, c = run_exchange(cfg("in_step"), bs, settle_at=(4, 5, 9))
+    assert (blocking.driver.exchange, in_step.driver.exchange) == ("blocking", "in_step")
+    assert any(k[0] == "step+send" for k in in_step.driver.programs())
+    assert not any(k[0] == "send" for k in in_step.driver.programs())  # no blocking send ran
+    for x, y, z in zip(leaves(a), leaves(b), leaves(c), strict=True):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, z)
+
+
+def test_in_step_programs_are_a_fixed_documented_set():
+    """A 3-fragment Streaming run over 3·H steps (+1, which carries the last send's exchange) builds the
+    plain inner step, one inner step + exchange per fragment, and one update and one merge per
+    fragment: 3P + 1 = 10 programs, whatever t is."""
+    H = 4
+    cfg = tiny_config("streaming", H=H, steps=3 * H + 1, exchange="in_step", layers_per_fragment=1, tau=1)
+    tr, _ = run_exchange(cfg, batches(3 * H + 1), settle_end=False)
+    P = tr.sync.frags.P
+    kinds = sorted(k[:2] for k in tr.driver.programs())
+    assert P == 3 and kinds == sorted([("merge", p) for p in range(P)] + [("step+send", p) for p in range(P)]
+                                       + [("update", p) for p in range(P)])
+    assert len(kinds) + 1 == 3 * P + 1  # + the plain inner step (the trainer's)
+    compiled = [tr.driver.step_program(None, p)._cache_size() for p in range(P)]  # no recompile as t advances
+    assert compiled == [1] * P

@@ -7,12 +7,25 @@ After inner step t the loop calls `OuterDriver.after_step(state, t)`; in this or
   outer_updates(t)  Nesterov step of θᵍ_p with the pending average
   merges(t)         θ_m,p ← α·θ_m,p + (1−α)·θᵍ_p on the replicas whose τ_m has elapsed
 
+Where a send's exchange runs (`exchange`):
+  blocking     its own program, right after step t (the loop waits for it)
+  comm_device  on a second device per process, landed at the apply (CPU overlap, overlap.py)
+  in_step      inside the program of inner step t+1: Δ is taken from that program's input (the
+               state after step t, exactly what the blocking send sees), encoded, exchanged and
+               averaged beside the forward/backward, which does not depend on it, so XLA's
+               latency-hiding scheduler can put the step's compute under the collective (TPU/GPU;
+               one program at a time runs on a chip). Needs τ ≥ 1: the average is in its pending
+               slot when step t+1 ends, at or before the apply at t+τ. The whole exchange rides on
+               the first step after the send (the schedule never sends two fragments at one step,
+               P ≤ H), so the inner-step programs are the plain step plus one per fragment: P+1,
+               with P update and P merge programs, 3P+1 in all, none recompiled as t advances.
+
 The math is `OuterSync`'s (diloco/outer/sync.py); this module only schedules and places it.
 `state` is the trainer's TrainState (fields `params`, `outer`, …; `replace` makes a new one).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +39,35 @@ from diloco.outer.sync import OuterSync
 Check = Callable[[Any, int, int, Any], None]
 
 
+EXCHANGES = ("auto", "blocking", "in_step")
+
+
+class Deferred(NamedTuple):
+    """A send after step t whose exchange rides on the next inner step's program (exchange=in_step)."""
+    p: int
+    t: int
+    key: Any
+    contrib_R: Any
+    finite_R: Any
+
+
 class OuterDriver:
     def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, overlap=None,
-                 constrain: Callable[[Any], Any] | None = None):
+                 constrain: Callable[[Any], Any] | None = None, in_step: bool = False):
         self.sync, self.schedule, self.R, self.overlap = sync, schedule, R, overlap
         self.constrain = constrain or (lambda state: state)  # pins each program's output to the state's layout
+        self.in_step = in_step and overlap is None and schedule.tau_min >= 1
+        self.deferred: Deferred | None = None
         self.base_key = jax.random.PRNGKey(seed + 1)
-        self._jit: dict[tuple[str, int, bool], Any] = {}
+        self._jit: dict[tuple, Any] = {}
+
+    @property
+    def exchange(self) -> str:
+        return "comm_device" if self.overlap is not None else "in_step" if self.in_step else "blocking"
+
+    def programs(self) -> list[tuple]:
+        """Keys of the programs built so far: (kind, fragment, …)."""
+        return sorted(self._jit, key=str)
 
     @property
     def P(self) -> int:
@@ -61,6 +96,31 @@ class OuterDriver:
                                                    donate_argnums=(0,) if donate else ())
         return self._jit[(kind, p, donate)]
 
+    def step_program(self, step: Callable, p: int, variant: Any = None):
+        """Inner step + fragment p's exchange in one program: (state, tokens, key, contrib_R, *poison)
+        → (state with pending[p] filled, ce_R, finite_R). `step` is the trainer's un-jitted inner step."""
+        if ("step+send", p, variant) not in self._jit:
+            sync = self.sync
+
+            def f(state, tokens, key, contrib_R, *poison):
+                outer = sync.send(state.params, state.outer, p, key, contrib_R)  # Δ from the step's input
+                new, ce_R, fin_R = step(state, tokens, *poison)
+                return self.constrain(new.replace(outer=outer)), ce_R, fin_R
+
+            self._jit[("step+send", p, variant)] = jax.jit(f, donate_argnums=(0,))
+        return self._jit[("step+send", p, variant)]
+
+    def inner_step(self, state, tokens, step_fn, step: Callable, variant: Any = None, poison: tuple = (),
+                   check: "Check | None" = None):
+        """Run one inner step (`step_fn`, jitted), carrying the deferred exchange if there is one."""
+        d, self.deferred = self.deferred, None
+        if d is None:
+            return step_fn(state, tokens, *poison)
+        state, ce_R, fin_R = self.step_program(step, d.p, variant)(state, tokens, d.key, d.contrib_R, *poison)
+        if check:
+            check(state, d.p, d.t, d.finite_R)
+        return state, ce_R, fin_R
+
     def key(self, t: int, p: int):
         return jax.random.fold_in(jax.random.fold_in(self.base_key, t), p)
 
@@ -76,6 +136,8 @@ class OuterDriver:
             k = self.key(t, p)
             if self.overlap is not None:
                 self.overlap.send(state, p, k, jnp.asarray(c), t, finite_R)
+            elif self.in_step:  # exchanged by the next inner step's program
+                self.deferred = Deferred(p, t, k, jnp.asarray(c), finite_R)
             else:
                 state = self.program("send", p)(state, k, jnp.asarray(c))
                 if check:
@@ -115,7 +177,13 @@ class OuterDriver:
         return state, out, drained
 
     def settle(self, state, check: Check | None = None):
-        """Land every exchange still in flight (before a checkpoint or the end of the run)."""
+        """Land every exchange still in flight (before a checkpoint or the end of the run); a send
+        deferred to the next inner step is exchanged now, by the blocking program (same numbers)."""
+        if self.deferred is not None:
+            d, self.deferred = self.deferred, None
+            state = self.program("send", d.p)(state, d.key, d.contrib_R)
+            if check:
+                check(state, d.p, d.t, d.finite_R)
         for p in sorted(self.overlap.inflight if self.overlap is not None else ()):
             state = self.land(state, p, None, check)
         return state
