@@ -185,6 +185,8 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         raise ConfigError("outer", f"need outer.lr > 0 and 0 ≤ outer.momentum < 1 (got {cfg.outer.lr}, {cfg.outer.momentum})")
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
+    _one_of(cfg, "model.remat_policy", ("auto", "none", "full", "save_dots"))
+    _one_of(cfg, "model.attention", ("auto", "xla", "dot_product"))
     _one_of(cfg, "eval_drain", ("final", "every"))
     _one_of(cfg, "exchange", ("auto", "blocking", "in_step"))
     _one_of(cfg, "faults.nan_policy", ("stop", "skip"))

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from diloco.config import mesh_shape
 from diloco.data import get_vocabulary
 from diloco.model import ModelConfig, Transformer, loss_fn
+from diloco.model.scales import TOY_SCALES, formula_params
 from diloco.outer.codecs import codec_from_config
 from diloco.outer.driver import OuterDriver
 from diloco.outer.fragments import make_fragments
@@ -40,9 +41,28 @@ class TrainState:
     outer: OuterState | None = None  # DiLoCo family only
 
 
-def model_config(cfg, vocab_size: int) -> ModelConfig:
+def remat_policy(cfg, platform: str = "cpu") -> str:
+    """`model.remat_policy`, with "auto" resolved: nothing on CPU or for the toy scales (memory is not
+    the limit there); on accelerators, recompute every block from 1B up (activations dominate a chip's
+    memory there, docs/distributed.md) and keep the matmul outputs below it."""
+    want = cfg.model.remat_policy
+    if want != "auto":
+        return want
+    if cfg.model.remat:
+        return "full"
+    if platform == "cpu" or cfg.scale in TOY_SCALES:
+        return "none"
+    return "full" if param_count_estimate(cfg.scale) >= 1e9 else "save_dots"
+
+
+def param_count_estimate(scale: str) -> float:
+    return float(formula_params(scale))
+
+
+def model_config(cfg, vocab_size: int, platform: str = "cpu") -> ModelConfig:
     return ModelConfig.from_scale(cfg.scale, vocab_size=vocab_size, dtype=cfg.model.dtype,
-                                  remat=cfg.model.remat, scan=cfg.model.scan)
+                                  remat=cfg.model.remat, scan=cfg.model.scan,
+                                  remat_policy=remat_policy(cfg, platform), attention=cfg.model.attention)
 
 
 def padded_vocab_size(n: int) -> int:
@@ -80,7 +100,7 @@ class Trainer:
         self.eval_batch_sharding = (NamedSharding(self.mesh, P(("replica", "data", "fsdp")))
                                     if (cfg.batch_size // self.R * self.R) % n_dev == 0 else self.repl_sharding)
         self.vocab = get_vocabulary(cfg.vocab)
-        self.mcfg = model_config(cfg, padded_vocab_size(self.vocab.vocab_size))
+        self.mcfg = model_config(cfg, padded_vocab_size(self.vocab.vocab_size), devices[0].platform)
         self.model = Transformer(self.mcfg)
         self.tx, self.lr_schedule = inner_optimizer(cfg)
         self.param_shapes = jax.eval_shape(self.init_params)

@@ -46,7 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.outer = ml_collections.ConfigDict(dict(lr=0.4, momentum=0.9, nesterov=True))
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=3e-3, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.1, b1=0.9, b2=0.99, clip_norm=1.0))
-    c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan=False, z_loss=1e-4))
+    # remat_policy: none | full | save_dots | auto (the trainer picks by scale and device: diloco/trainer.py
+    # remat_policy); attention: xla | dot_product | auto (dot_product on GPU only). remat=True is "full".
+    c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan=False, z_loss=1e-4,
+                                             remat_policy="auto", attention="auto"))
     # replica_axis 0: auto (M if the devices allow, else 1). Inside a replica the devices are data × fsdp
     # (one of them -1: the remaining devices); fsdp > 1 shards params, AdamW moments and the outer state.
     c.mesh = ml_collections.ConfigDict(dict(replica_axis=0, data=-1, fsdp=1))

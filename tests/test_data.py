@@ -211,3 +211,58 @@ def test_bad_inputs_name_their_field(case, tmp_path):
         assert "tfds build c4/en" in str(e.value)
     with pytest.raises(ConfigError):
         TokenBatches(data, vocab, seq_len, 2, data_dir=data_dir)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_prefetch_changes_nothing_but_timing(pack):
+    """Same batches and the same get_state() after every batch for any prefetch depth: the state is the
+    position of the batch the caller consumed, however far the background thread has run ahead."""
+    runs = {}
+    for k in (0, 1, 4):
+        it = TokenBatches("stdlib", "byte", 512, 64, seed=5, pack=pack, prefetch=k)
+        runs[k] = [(next(it), it.get_state()) for _ in range(45)]  # crosses a shard boundary (~30 per shard)
+        it.close()
+    for k in (1, 4):
+        assert all(np.array_equal(a, b) and sa == sb for (a, sa), (b, sb) in zip(runs[0], runs[k]))
+    assert len({(s["epoch"], s["shard"]) for _, s in runs[0]}) > 1
+
+
+def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
+    import gc
+    import threading
+    import time
+
+    def alive():
+        return [t for t in threading.enumerate() if t.name.startswith("TokenBatches-stdlib")]
+
+    it = TokenBatches("stdlib", "byte", 64, 2, prefetch=2)
+    next(it)
+    assert len(alive()) == 1
+    it.close()
+    assert not alive()
+    it = TokenBatches("stdlib", "byte", 64, 2, prefetch=2)
+    next(it)
+    del it
+    gc.collect()
+    deadline = time.time() + 5
+    while alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive()
+
+
+def test_prefetch_surfaces_errors_in_the_callers_thread(monkeypatch):
+    def broken(*a):
+        raise OSError("disk on fire")
+
+    monkeypatch.setenv("DILOCO_CACHE", "none")
+    monkeypatch.setattr(tasks, "tokenize_shard", broken)
+    it = TokenBatches("stdlib", "byte", 32, 2, prefetch=2)
+    with pytest.raises(OSError, match="disk on fire"):
+        next(it)
+    assert it.get_state()["batches"] == 0
+
+
+def test_bad_prefetch_names_its_field():
+    with pytest.raises(ConfigError) as e:
+        TokenBatches("stdlib", "byte", 64, 2, prefetch=-1)
+    assert e.value.field == "prefetch"

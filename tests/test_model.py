@@ -84,3 +84,130 @@ def test_sizes_counts_each_scale_as_a_run_builds_it(capsys):
     assert rows["tiny"]["vocab"] == "byte" and rows["tiny"]["embedding_rows"] == 384
     assert rows["1B"]["vocab"] == "T5 32k" and rows["1B"]["embedding_rows"] == 32_128
     assert rows["1B"]["params"] == param_count("1B", 32_128)
+
+
+# --- the optimised decoder computes what the previous one did -------------------------------------
+# Golden values from the model as of commit d1afa2a (before RoPE tables/mask were hoisted, fused
+# attention and logical partitioning), produced by:
+#   git show d1afa2a:diloco/model/transformer.py > /tmp/base_transformer.py
+#   python -c "import sys; sys.path.insert(0, '/tmp'); import base_transformer as T, ..."  (see _golden below)
+# with T.ModelConfig(vocab_size=384, **kw), params = init(PRNGKey(0), x[:1, :8]), x = _tokens().
+GOLDEN = {  # name: (config overrides, sha256[:16] of params, loss, ce)
+    "tiny": (dict(layers=3, d_model=32, heads=2, mlp_dim=128), "cf88c9572a9b7672", 6.43834924697876, 6.434195041656494),
+    "tiny-scan": (dict(layers=3, d_model=32, heads=2, mlp_dim=128, scan=True), "d96428ea1d383ef8",
+                  6.469969749450684, 6.465851306915283),
+    "toy": (dict(layers=6, d_model=64, heads=4, mlp_dim=256), "775774489cb18839", 6.502087593078613, 6.49783182144165),
+}
+
+
+def _tokens():
+    return jnp.asarray(np.random.default_rng(0).integers(0, 259, size=(4, 64)), jnp.int32)
+
+
+def _params_hash(p) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_leaves_with_path(p):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_init_is_bit_identical_to_the_previous_model(name):
+    kw, digest, _, _ = GOLDEN[name]
+    p = Transformer(ModelConfig(vocab_size=384, **kw)).init(jax.random.PRNGKey(0), _tokens()[:1, :8])["params"]
+    assert all(type(x) is type(jnp.zeros(1)) for x in jax.tree_util.tree_leaves(p))  # plain arrays, not boxed
+    assert _params_hash(p) == digest
+
+
+@pytest.mark.parametrize("attention", ["xla", "dot_product", "auto"])
+@pytest.mark.parametrize("remat_policy", ["none", "full", "save_dots"])
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_loss_matches_the_previous_model(name, attention, remat_policy):
+    kw, _, loss0, ce0 = GOLDEN[name]
+    cfg = ModelConfig(vocab_size=384, attention=attention, remat_policy=remat_policy, **kw)
+    x = _tokens()
+    p = Transformer(cfg).init(jax.random.PRNGKey(0), x[:1, :8])["params"]
+    loss, aux = jax.jit(lambda p: loss_fn(Transformer(cfg).apply({"params": p}, x), x))(p)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-6)
+    np.testing.assert_allclose(float(aux["ce"]), ce0, rtol=1e-6)
+
+
+def test_gradients_agree_across_attention_and_remat():
+    x = _tokens()
+    grads = {}
+    for att, pol in [("xla", "none"), ("dot_product", "none"), ("xla", "save_dots"), ("dot_product", "full")]:
+        cfg = ModelConfig(vocab_size=384, **GOLDEN["tiny"][0], attention=att, remat_policy=pol)
+        p = Transformer(cfg).init(jax.random.PRNGKey(0), x[:1, :8])["params"]
+        grads[att, pol] = jax.grad(lambda p: loss_fn(Transformer(cfg).apply({"params": p}, x), x)[0])(p)
+    ref = grads["xla", "none"]
+    for g in grads.values():
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), g, ref)
+
+
+def test_matches_the_plain_jax_reference_decoder():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ref_decoder
+
+    cfg = ModelConfig(vocab_size=384, **GOLDEN["toy"][0])
+    x = _tokens()
+    p = Transformer(cfg).init(jax.random.PRNGKey(0), x[:1, :8])["params"]
+    loss, ce = ref_decoder.loss(p, x, cfg.heads)
+    np.testing.assert_allclose([float(loss), float(ce)], GOLDEN["toy"][2:], rtol=1e-6)
+
+
+def test_legacy_remat_flag_means_full():
+    assert small(remat=True).checkpoint_policy == "full"
+    assert small(remat=True, remat_policy="save_dots").checkpoint_policy == "save_dots"
+    assert small().checkpoint_policy == "none"
+
+
+@pytest.mark.parametrize("field,kw", [("model.remat_policy", dict(remat_policy="dots")),
+                                      ("model.attention", dict(attention="flash"))])
+def test_bad_model_options_name_their_field(field, kw):
+    from diloco.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        small(**kw)
+    assert e.value.field == field
+
+
+# --- logical axis names for sharding ----------------------------------------------------------------
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_parameter_has_one_logical_name_per_dimension(scan):
+    from diloco.model import param_logical_axes
+
+    cfg = small(scan=scan)
+    names = param_logical_axes(cfg)
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    is_names = lambda t: isinstance(t, tuple)
+    assert jax.tree_util.tree_structure(names, is_leaf=is_names) == jax.tree_util.tree_structure(shapes)
+    pairs = zip(jax.tree_util.tree_leaves(names, is_leaf=is_names), jax.tree_util.tree_leaves(shapes))
+    assert all(len(n) == s.ndim and all(isinstance(a, str) for a in n) for n, s in pairs)
+    assert names["embed"]["embedding"] == ("vocab", "embed")
+    blk = names["blocks"] if scan else names["block_0"]
+    lead = ("layers",) if scan else ()
+    assert blk["mlp_in"]["kernel"] == lead + ("embed", "mlp") and blk["mlp_out"]["kernel"] == lead + ("mlp", "embed")
+    assert blk["q_norm"]["scale"] == lead + ("head_dim",) and blk["attn_out"]["kernel"] == lead + ("heads", "embed")
+
+
+def test_activation_constraints_follow_logical_rules():
+    import flax.linen as nn
+    from jax.sharding import Mesh
+
+    cfg = small()
+    x = _tokens()[:, :16]
+    p = Transformer(cfg).init(jax.random.PRNGKey(0), x[:1, :8])["params"]
+    f = jax.jit(lambda p: Transformer(cfg).apply({"params": p}, x))
+    assert "sharding_constraint" not in f.lower(p).as_text().lower()  # no rules: no constraints
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules([("batch", "data"), ("embed", "fsdp")]):  # not `with mesh:`
+        lowered = f.lower(p)
+        out = lowered.compile()(p)
+    assert lowered.as_text().count("sharding_constraint") >= 2 * cfg.layers
+    np.testing.assert_allclose(np.asarray(out), np.asarray(Transformer(cfg).apply({"params": p}, x)), rtol=1e-6)

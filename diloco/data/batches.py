@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -109,18 +111,35 @@ class TokenBatches:
     seeded permutation (shuffle=False: source order). pack=True concatenates EOS-terminated documents
     and cuts seq_len rows; pack=False cuts every document into seq_len rows, padding the last one.
     State is a position (epoch, shard, offset) in that stream, so resuming loads one shard.
+
+    prefetch=k > 0 assembles up to k batches ahead on a background thread (the shard store already
+    tokenizes or loads the next shard ahead on its own thread), so the training step does not wait on
+    data. The batches and their order are the same for every k; get_state() describes the position
+    after the last batch handed out by next(), never the prefetcher's.
     """
 
     def __init__(self, data: str, vocab: str, seq_len: int, batch_size: int, split: str = "train", seed: int = 0,
-                 data_dir: str | None = None, pack: bool = True, *, shuffle: bool = True):
+                 data_dir: str | None = None, pack: bool = True, *, shuffle: bool = True, prefetch: int = 2):
         specs.validate_data(data, vocab, data_dir, seq_len, split)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError("batch_size", f"batch_size={batch_size!r} must be an int >= 1")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError("prefetch", f"prefetch={prefetch!r} must be an int >= 0 (0: no background thread)")
         self.data, self.vocab, self.split, self.data_dir = data, vocab or "byte", split, data_dir
         self.seq_len, self.batch_size, self.seed, self.pack, self.shuffle = seq_len, batch_size, int(seed), pack, shuffle
         self.store = ShardStore(specs.parse_data(data, data_dir), self.vocab, split)
         self.epoch, self.shard, self.pos, self.batches = 0, 0, 0, 0
         self._cur: tuple | None = None  # (epoch, shard, stream, row_starts, row_lens)
+        # epoch/shard/pos/batches above are the producer's cursor; _consumed is the position after the
+        # last batch next() returned (what get_state reports).
+        self._consumed = self._cursor()
+        self.prefetch = prefetch
+        self._queue: queue.Queue | None = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def _cursor(self) -> tuple[int, int, int, int]:
+        return self.epoch, self.shard, self.pos, self.batches
 
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.default_rng([self.seed & (2**63 - 1), *key])
@@ -160,6 +179,47 @@ class TokenBatches:
         return self
 
     def __next__(self) -> np.ndarray:
+        if not self.prefetch:
+            batch = self._produce()
+            self._consumed = self._cursor()
+            return batch
+        if self._thread is None:
+            self._start()
+        kind, item, cursor = self._queue.get()
+        if kind == "error":
+            self._thread = None  # the producer has ended; a later next() retries from the consumed position
+            self._restore(self._consumed)
+            raise item
+        self._consumed = cursor
+        return item
+
+    def _start(self) -> None:
+        self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
+        self._thread = threading.Thread(target=_produce_into, args=(weakref.ref(self), self._queue, self._stop),
+                                        name=f"TokenBatches-{self.data}-{self.split}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it also stops when the iterator is garbage-collected)."""
+        if self._thread is not None:
+            self._stop.set()
+            while True:  # unblock a producer waiting on a full queue
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._thread.join()
+            self._thread = None
+
+    def __del__(self):
+        if getattr(self, "_stop", None) is not None:
+            self._stop.set()
+
+    def _restore(self, cursor: tuple[int, int, int, int]) -> None:
+        self.epoch, self.shard, self.pos, self.batches = cursor
+        self._cur = None if self._cur is None or self._cur[:2] != cursor[:2] else self._cur
+
+    def _produce(self) -> np.ndarray:
         L, B = self.seq_len, self.batch_size
         out = np.zeros((B, L), np.int32)
         empty_run = 0
@@ -189,10 +249,11 @@ class TokenBatches:
         return out
 
     def get_state(self) -> dict:
-        """JSON-serializable position of the next batch."""
+        """JSON-serializable position of the next batch next() will return (not the prefetcher's)."""
+        epoch, shard, pos, batches = self._consumed
         return {"version": STATE_VERSION, "data": self.data, "vocab": self.vocab, "split": self.split, "seed": self.seed,
                 "pack": self.pack, "shuffle": self.shuffle, "seq_len": self.seq_len, "num_shards": self.store.n,
-                "epoch": self.epoch, "shard": self.shard, "pos": self.pos, "batches": self.batches}
+                "epoch": epoch, "shard": shard, "pos": pos, "batches": batches}
 
     def set_state(self, state: dict) -> None:
         """Continue exactly where get_state() was taken (batch_size may differ; with pack=True so may seq_len)."""
@@ -201,11 +262,36 @@ class TokenBatches:
         bad = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
         if bad:
             raise ConfigError("data", f"data state does not match this iterator ({', '.join(f'{k}: saved {a!r} vs now {b!r}' for k, (a, b) in bad.items())}); resume with the same data config")
+        self.close()
         self.epoch, self.shard, self.pos, self.batches = (int(state[k]) for k in ("epoch", "shard", "pos", "batches"))
+        self._consumed = self._cursor()
         self._cur = None
+
+
+def _produce_into(ref: "weakref.ref[TokenBatches]", q: queue.Queue, stop: threading.Event) -> None:
+    """Prefetch thread: batches in order, each with the cursor after it. Holds the iterator only by a weak
+    reference while it waits, so an abandoned iterator is collected and its thread ends."""
+    while not stop.is_set():
+        it = ref()
+        if it is None:
+            return
+        try:
+            item = ("batch", it._produce(), it._cursor())
+        except BaseException as e:  # re-raised by next() in the consumer's thread
+            item = ("error", e, None)
+        del it
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                if ref() is None:
+                    return
+        if item[0] == "error":
+            return
 
 
 def eval_batches(data: str, vocab: str, seq_len: int, batch_size: int, num_batches: int, data_dir: str | None = None) -> list[np.ndarray]:
     """The first num_batches packed batches of the validation split in source order (wrapping if short)."""
-    it = TokenBatches(data, vocab, seq_len, batch_size, split="validation", data_dir=data_dir, shuffle=False)
+    it = TokenBatches(data, vocab, seq_len, batch_size, split="validation", data_dir=data_dir, shuffle=False, prefetch=0)
     return [next(it) for _ in range(num_batches)]

@@ -4,7 +4,7 @@ validation of a scale name stay light."""
 from diloco.model.scales import SCALES, Scale, formula_params
 from diloco.model.sizes import param_count
 
-_MODEL_NAMES = ("ModelConfig", "Transformer", "loss_fn")
+_MODEL_NAMES = ("ATTENTION", "REMAT_POLICIES", "ModelConfig", "Transformer", "loss_fn", "param_logical_axes")
 
 
 def __getattr__(name: str):
@@ -15,4 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'diloco.model' has no attribute {name!r}")
 
 
-__all__ = ["SCALES", "Scale", "ModelConfig", "Transformer", "loss_fn", "param_count", "formula_params"]
+__all__ = ["SCALES", "Scale", "ModelConfig", "Transformer", "loss_fn", "param_count", "formula_params",
+           "param_logical_axes", "ATTENTION", "REMAT_POLICIES"]

@@ -1,6 +1,16 @@
 """Chinchilla-style decoder: pre-norm RMSNorm, no biases, QK-norm, RoPE, plain MLP, tied embeddings.
 
 Shapes are in names: B batch, L length, D d_model, H heads, K head dim, F mlp dim, V vocab.
+
+Every parameter carries logical axis names (flax logical partitioning) and activations carry
+logical sharding constraints at block boundaries; both are no-ops until a mesh and rules are in
+context (`nn.logical_axis_rules`). `Transformer.init` returns plain arrays; `param_logical_axes`
+gives the names, with the same tree structure.
+
+Logical axes: "vocab", "embed" (d_model), "mlp" (F), "heads" (H·K, heads-major: the input dim of
+attn_out), "qkv" (3·H·K fused q/k/v output of the qkv projection, q/k/v-major), "head_dim" (K, the
+QK-norm scales), "layers" (the nn.scan axis). Activations: "batch", "length", "embed", "heads",
+"head_dim", "mlp", "vocab".
 """
 from __future__ import annotations
 
@@ -10,6 +20,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from diloco.errors import ConfigError
+
+ATTENTION = ("xla", "dot_product", "auto")
+REMAT_POLICIES = ("none", "full", "save_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,9 +36,26 @@ class ModelConfig:
     mlp_dim: int
     max_seq_len: int = 2048
     dtype: str = "float32"  # compute dtype; params stay float32
-    remat: bool = False
+    remat: bool = False  # legacy switch: True means remat_policy="full"
     scan: bool = False  # nn.scan over blocks: params stacked on a leading layer axis under "blocks"
     rope_base: float = 10_000.0
+    remat_policy: str = "none"  # none | full (recompute every block) | save_dots (keep matmul outputs)
+    attention: str = "auto"  # xla (einsum + softmax) | dot_product (jax.nn.dot_product_attention) | auto
+
+    def __post_init__(self):
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError("model.remat_policy", f"{self.remat_policy!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION:
+            raise ConfigError("model.attention", f"{self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.d_model % self.heads or (self.d_model // self.heads) % 2:
+            raise ConfigError("model.heads", f"d_model={self.d_model} must split into {self.heads} heads of an even size (RoPE)")
+
+    @property
+    def checkpoint_policy(self) -> str:
+        """The remat policy in effect ("none", "full" or "save_dots"); remat=True alone means "full"."""
+        if self.remat_policy == "none" and self.remat:
+            return "full"
+        return self.remat_policy
 
     @classmethod
     def from_scale(cls, name: str, vocab_size: int, **overrides: Any) -> "ModelConfig":
@@ -36,87 +68,147 @@ class ModelConfig:
         return cls(**kw)
 
 
+def _constrain(x, names: tuple[str, ...]):
+    return nn.with_logical_constraint(x, names)
+
+
 class RMSNorm(nn.Module):
     eps: float = 1e-6
+    axis: str = "embed"  # logical name of the normalised (last) axis
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)  # no-op in float32
         y = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
         return (y * scale).astype(x.dtype)
 
 
-def rope(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
-    B, L, H, K = x_BxLxHxK.shape
+def rope_tables(L: int, K: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos), each L×1×K/2 float32: built once per forward pass, shared by every block."""
     inv_freq = base ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
     ang_LxK2 = jnp.arange(L, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    sin, cos = jnp.sin(ang_LxK2)[None, :, None, :], jnp.cos(ang_LxK2)[None, :, None, :]
+    return jnp.sin(ang_LxK2)[:, None, :], jnp.cos(ang_LxK2)[:, None, :]
+
+
+def apply_rope(x_BxLxHxK: jax.Array, sin_Lx1xK2: jax.Array, cos_Lx1xK2: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = jnp.concatenate([x1 * cos_Lx1xK2 - x2 * sin_Lx1xK2, x2 * cos_Lx1xK2 + x1 * sin_Lx1xK2], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
 
 
-def _dense(features: int, dtype, name: str, fan_in: int) -> nn.Dense:
-    init = nn.initializers.normal(stddev=fan_in**-0.5)
+def rope(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
+    """RoPE on the last axis (rotate-half layout), positions 0…L−1."""
+    _, L, _, K = x_BxLxHxK.shape
+    return apply_rope(x_BxLxHxK, *rope_tables(L, K, base))
+
+
+def _dense(features: int, dtype, name: str, fan_in: int, axes: tuple[str, str]) -> nn.Dense:
+    init = nn.with_logical_partitioning(nn.initializers.normal(stddev=fan_in**-0.5), axes)
     return nn.Dense(features, use_bias=False, dtype=dtype, kernel_init=init, name=name)
+
+
+def attention_impl(cfg: ModelConfig) -> str:
+    """The attention actually used. "auto": jax.nn.dot_product_attention on GPU (cuDNN's fused kernel
+    where dtype and shapes allow), the explicit einsum + softmax elsewhere (on CPU the fused call costs
+    ~15% more CPU time at toy scale, benchmarks/bench_model.py; on TPU both lower to the same XLA)."""
+    if cfg.attention == "auto":
+        return "dot_product" if jax.default_backend() == "gpu" else "xla"
+    return cfg.attention
 
 
 class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, _=None):
+    def __call__(self, x_BxLxD, sin_Lx1xK2, cos_Lx1xK2):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         B, L, D = x_BxLxD.shape
         H, K = cfg.heads, cfg.d_model // cfg.heads
         h = RMSNorm(name="attn_norm")(x_BxLxD)
-        qkv = _dense(3 * D, dt, "qkv", D)(h).reshape(B, L, 3, H, K)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q, k = RMSNorm(name="q_norm")(q), RMSNorm(name="k_norm")(k)  # QK-norm over the head dim
-        q, k = rope(q, cfg.rope_base), rope(k, cfg.rope_base)
-        logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k).astype(jnp.float32) * K**-0.5
-        causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-        logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(dt)
-        att_BxLxD = jnp.einsum("bhlm,bmhk->blhk", probs, v).reshape(B, L, D)
-        x_BxLxD = x_BxLxD + _dense(D, dt, "attn_out", D)(att_BxLxD)
+        qkv = _dense(3 * D, dt, "qkv", D, ("embed", "qkv"))(h).reshape(B, L, 3 * H, K)
+        q, k, v = jnp.split(qkv, 3, axis=2)  # backward: one concatenate (indexing would pad each and add)
+        q, k = RMSNorm(name="q_norm", axis="head_dim")(q), RMSNorm(name="k_norm", axis="head_dim")(k)  # QK-norm
+        q, k = apply_rope(q, sin_Lx1xK2, cos_Lx1xK2), apply_rope(k, sin_Lx1xK2, cos_Lx1xK2)
+        q, k, v = (_constrain(t, ("batch", "length", "heads", "head_dim")) for t in (q, k, v))
+        if attention_impl(cfg) == "dot_product":
+            att_BxLxHxK = jax.nn.dot_product_attention(q, k, v, scale=K**-0.5, is_causal=True)
+        else:
+            logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k).astype(jnp.float32) * K**-0.5
+            causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+            logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(dt)
+            att_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs, v)
+        att_BxLxD = att_BxLxHxK.reshape(B, L, D)
+        x_BxLxD = x_BxLxD + _dense(D, dt, "attn_out", D, ("heads", "embed"))(att_BxLxD)
+        x_BxLxD = _constrain(x_BxLxD, ("batch", "length", "embed"))
         h = RMSNorm(name="mlp_norm")(x_BxLxD)
-        h_BxLxF = nn.gelu(_dense(cfg.mlp_dim, dt, "mlp_in", D)(h))
-        x_BxLxD = x_BxLxD + _dense(D, dt, "mlp_out", cfg.mlp_dim)(h_BxLxF)
-        return x_BxLxD, None
+        h_BxLxF = nn.gelu(_dense(cfg.mlp_dim, dt, "mlp_in", D, ("embed", "mlp"))(h))
+        h_BxLxF = _constrain(h_BxLxF, ("batch", "length", "mlp"))
+        x_BxLxD = x_BxLxD + _dense(D, dt, "mlp_out", cfg.mlp_dim, ("mlp", "embed"))(h_BxLxF)
+        return _constrain(x_BxLxD, ("batch", "length", "embed")), None
+
+
+def _remat(block, policy: str, scan: bool):
+    if policy == "none":
+        return block
+    pol = {"full": None, "save_dots": jax.checkpoint_policies.dots_saveable}[policy]
+    return nn.remat(block, policy=pol, prevent_cse=not scan)
 
 
 class Transformer(nn.Module):
     cfg: ModelConfig
 
+    @nn.nowrap
+    def init(self, *args, **kwargs):
+        """As nn.Module.init, with the parameters unboxed: plain arrays (names: `param_logical_axes`)."""
+        return nn.meta.unbox(nn.Module.init(self, *args, **kwargs))
+
     @nn.compact
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, name="embed",
-                         embedding_init=nn.initializers.normal(stddev=cfg.d_model**-0.5))
-        x_BxLxD = embed(tokens_BxL)
-        block = nn.remat(Block) if cfg.remat else Block
+                         embedding_init=nn.with_logical_partitioning(
+                             nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")))
+        x_BxLxD = _constrain(embed(tokens_BxL), ("batch", "length", "embed"))
+        sin, cos = rope_tables(tokens_BxL.shape[1], cfg.d_model // cfg.heads, cfg.rope_base)
+        block = _remat(Block, cfg.checkpoint_policy, cfg.scan)
         if cfg.scan:
-            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                            length=cfg.layers)
-            x_BxLxD, _ = stack(cfg, name="blocks")(x_BxLxD, None)
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.layers,
+                            in_axes=(nn.broadcast, nn.broadcast), metadata_params={nn.PARTITION_NAME: "layers"})
+            x_BxLxD, _ = stack(cfg, name="blocks")(x_BxLxD, sin, cos)
         else:
             for i in range(cfg.layers):
-                x_BxLxD, _ = block(cfg, name=f"block_{i}")(x_BxLxD)
+                x_BxLxD, _ = block(cfg, name=f"block_{i}")(x_BxLxD, sin, cos)
         x_BxLxD = RMSNorm(name="final_norm")(x_BxLxD)
-        return embed.attend(x_BxLxD).astype(jnp.float32)  # tied output layer, logits in fp32
+        logits = embed.attend(x_BxLxD).astype(jnp.float32)  # tied output layer, logits in fp32
+        return _constrain(logits, ("batch", "length", "vocab"))
+
+
+def param_logical_axes(cfg: ModelConfig) -> Any:
+    """Logical axis names of every parameter: a tree like `init(...)["params"]` with a tuple of names
+    (one per dimension) at each leaf. Shape inference only: nothing is allocated."""
+    boxed = jax.eval_shape(lambda: nn.Module.init(Transformer(cfg), jax.random.PRNGKey(0),
+                                                  jnp.zeros((1, 8), jnp.int32))["params"])
+    return jax.tree_util.tree_map(lambda b: tuple(b.names), boxed,
+                                  is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
 
 
 def loss_fn(logits_BxLxV: jax.Array, tokens_BxL: jax.Array, z_loss: float = 1e-4):
     """Next-token cross-entropy + z_loss·logsumexp²; token 0 is padding and is masked out.
 
     Returns (loss, {"ce": …, "z": …, "tokens": …}).
+
+    Written so that forward and backward touch one logits-sized temporary: the last position is masked
+    instead of sliced off (its backward would pad a copy of the logits), and the target logit is a
+    one-hot dot rather than a gather (whose backward scatters into a zeroed copy); both are exact.
     """
-    logits, targets = logits_BxLxV[:, :-1], tokens_BxL[:, 1:]
-    mask = (targets != 0).astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    B, L, V = logits_BxLxV.shape
+    targets = jnp.concatenate([tokens_BxL[:, 1:], jnp.zeros((B, 1), tokens_BxL.dtype)], axis=1)
+    mask = (targets != 0).astype(jnp.float32)  # the appended 0 masks the last position
+    lse = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_logit = jnp.sum(logits_BxLxV * jax.nn.one_hot(targets, V, dtype=logits_BxLxV.dtype), axis=-1)
     n = jnp.maximum(mask.sum(), 1.0)
     ce = ((lse - target_logit) * mask).sum() / n
     z = ((lse**2) * mask).sum() / n
