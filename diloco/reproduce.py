@@ -205,7 +205,8 @@ FULL_PLAN = [("tune_inner_lr", "sweeps/tune_inner_lr.py:tiny"), ("tune_outer_lr"
 SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
 
 
-def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: int) -> tuple[float, int]:
+def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: int,
+                     extra: list[str] = ()) -> tuple[float, int]:
     """(wall seconds, runs) left: each unfinished point's steps × seconds per step of its scale (measured
     from finished runs under root when there are any, else SECONDS_PER_STEP), over `workers`."""
     from diloco.config import load_config
@@ -224,7 +225,7 @@ def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: i
             if (root / s["name"] / pt["name"] / "summary.json").exists():
                 continue
             try:
-                cfg = load_config(str(REPO / pt["spec"]), pt["overrides"])
+                cfg = load_config(str(REPO / pt["spec"]), [*pt["overrides"], *extra])
                 scale, steps = cfg.scale, cfg.steps
             except Exception:
                 scale, steps = "tiny", 1000
@@ -336,7 +337,7 @@ def main(argv: list[str]) -> int:
                                and float(p["point"]["alpha"]) in alphas]
         n = sum(len(s["points"]) for *_, s in loaded)
         counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
-        est, left = estimate_seconds(root, loaded, args.workers)
+        est, left = estimate_seconds(root, loaded, args.workers, extra)
         budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment, 2–3 seeds" if args.full
                   else "a SHORT budget (200–240 steps, one seed): quick to run, its gaps are not findings; "
                        "`diloco reproduce --full` runs the claims table")

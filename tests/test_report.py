@@ -59,7 +59,7 @@ def test_which_params_from_the_checkpoint(runs):
     res = report.which_params_eval(str(wd))
     # θ^g evaluated from the checkpoint is what the trainer reported at the end
     assert math.isclose(res["outer_params"], _summaries(runs)[wd.name]["final_eval_loss"], rel_tol=1e-5)
-    assert set(res) == {"first_replica", "replica_average", "outer_params"}
+    assert set(res) == {"first_replica", "replica_average", "outer_params", "drained_fragments"}
     assert json.loads((wd / "which_params.json").read_text()) == res
 
 
