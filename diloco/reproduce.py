@@ -11,7 +11,7 @@ sweep point under --root, so an interrupted reproduce picks up where it stopped.
 
 The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter, one seed), so its
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
-claims sweeps (sweeps/claims.py: headline with 3 seeds, τ×α with 2, the pattern ablation on toy)
+claims sweeps (sweeps/claims.py: headline, τ×α and the pattern ablation on toy, 3 seeds each)
 and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
 resumes where it stopped. Regenerating never drops a committed table or row (diloco/report.py).
 """

@@ -2,8 +2,8 @@
 parameter, tuned lrs), each group a sweep whose rows differ from a neighbour in one factor.
 
   diloco sweep sweeps/claims.py:headline,tiny --root runs/full     (3 seeds)
-  diloco sweep sweeps/claims.py:tau_alpha,tiny --root runs/full    (2 seeds)
-  diloco sweep sweeps/claims.py:pattern,toy --root runs/full       (2 seeds; toy at its quick budget)
+  diloco sweep sweeps/claims.py:tau_alpha,tiny --root runs/full    (3 seeds)
+  diloco sweep sweeps/claims.py:pattern,toy --root runs/full       (3 seeds; toy at its quick budget)
 `diloco reproduce --full` runs them all (in this order), resumably.
 
 headline (one factor at a time, left to right):
@@ -17,7 +17,7 @@ pattern:  strided vs sequential at 3 blocks per fragment, P = 2 (toy: 6 blocks) 
 from diloco.sweep import product
 
 GROUPS = ("headline", "tau_alpha", "pattern")
-SEEDS = {"headline": 3, "tau_alpha": 2, "pattern": 2}
+SEEDS = {"headline": 3, "tau_alpha": 3, "pattern": 3}
 
 
 def get_sweep(arg: str = "headline,tiny"):
