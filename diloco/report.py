@@ -719,7 +719,7 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         if "strided" in key and "sequential" in key:
             r0 = g.iloc[0]
             add("Strided ≥ sequential fragments", "Fig. 6a / Fig. 7",
-                f"{sweep} ({int(r0.steps)} steps — the quick budget; {int(r0.fragments)} fragments)",
+                f"{sweep} ({int(r0.steps)} steps — the quick budget, untuned lrs; {int(r0.fragments)} fragments)",
                 *paired_gap_pct(key["sequential"], key["strided"]), (0.0, np.inf),
                 "strided slightly better", "sequential minus strided")
     paper_gap = [pg(t5[(s, "streaming_ovl_fp4_h30")], t5[(s, "data_parallel")]) for s in ("35M", "1B")]
