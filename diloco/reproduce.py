@@ -167,16 +167,29 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
     import pandas as pd
 
     cmd = "diloco reproduce" + (" " + shlex.join(argv) if argv else "")
+    # steps of earlier invocations (e.g. the quick job's, when this is --full) stay listed
+    steps_path = out / "steps.json"
+    try:
+        known = json.loads(steps_path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    for name, c, secs, n in steps:
+        known[name] = {"made_by": cmd, "root": str(root), "command": c, "runs": n, "run_seconds": round(secs)}
+    text = json.dumps(known, indent=1, sort_keys=True) + "\n"
+    if not steps_path.exists() or steps_path.read_text() != text:
+        steps_path.write_text(text)
+    made = sorted({(v["made_by"], v.get("root", "")) for v in known.values()})
     lines = ["# results/ — generated", "",
-             f"Made by `{cmd}` (run records under `{root}`); regenerate the tables alone with "
-             f"`diloco tables --root {root} --out {out}`. `results/paper/` holds the paper's numbers these are "
-             "compared with (not generated). `claims.md`: each claim of the paper the toy scale can test, with a "
-             "verdict. `provenance.json`: for every table, which runs it came from and when they finished.", "",
+             "Made by " + "; ".join(f"`{m}` (run records under `{r}`)" for m, r in made) + ". Regenerate the "
+             f"tables alone with `diloco tables --root ROOT --out {out}` (they merge: nothing committed is dropped). "
+             "`results/paper/` holds the paper's numbers these are compared with (not generated). `claims.md`: "
+             "each claim of the paper the toy scale can test, with a verdict. `provenance.json`: for every table, "
+             "which runs it came from and when they finished.", "",
              "## Steps", "",
              "`run seconds`: the training time recorded by the runs themselves (summed; runs of earlier invocations "
              "included), not the time of this invocation, which skips finished runs.", "",
-             _md([{"step": name, "command": f"`{c}`", "runs": n, "run seconds": f"{secs:.0f}"}
-                  for name, c, secs, n in steps])]
+             _md([{"step": name, "made by": f"`{v['made_by']}`", "command": f"`{v['command']}`", "runs": v["runs"],
+                   "run seconds": v["run_seconds"]} for name, v in known.items()])]
     sweeps: dict[str, str] = {}
     runs_csv = out / "runs.csv"
     if runs_csv.exists():
