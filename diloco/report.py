@@ -559,8 +559,9 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
         groups = t.groupby(rest, sort=False) if rest else [("", t)]
         for key, g in groups:
             g = g.assign(x_num=pd.to_numeric(g[x])).sort_values("x_num")
-            ax.plot(g.x_num, g.eval_loss, "o-", label=", ".join(f"{c}={k}" for c, k in
-                                                               zip(rest, key if isinstance(key, tuple) else (key,))) or None)
+            ax.errorbar(g.x_num, g.eval_loss, yerr=g["eval_loss_std"] if "eval_loss_std" in g else None, fmt="o-",
+                        capsize=3, label=", ".join(f"{c}={k}" for c, k in
+                                                   zip(rest, key if isinstance(key, tuple) else (key,))) or None)
         ax.set_xlabel(x)
         xs = pd.to_numeric(t[x])
         if xs.min() > 0 and (x == "H" or xs.max() / xs.min() > 50):
@@ -568,12 +569,16 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
         if rest:
             ax.legend(fontsize=8)
     else:
-        labels = [", ".join(str(v) for v in r) for r in t[axes].itertuples(index=False)] if axes else t.index
-        ax.bar(range(len(t)), t.eval_loss, color="tab:blue")
+        labels = [", ".join(str(v) if c in ("label", "method") else f"{c}={v}" for c, v in zip(axes, r)
+                            if not (isinstance(v, float) and math.isnan(v)))
+                  for r in t[axes].itertuples(index=False)] if axes else t.index
+        ax.bar(range(len(t)), t.eval_loss, color="tab:blue",
+               yerr=t["eval_loss_std"].fillna(0) if "eval_loss_std" in t else None, capsize=3)
         ax.set_xticks(range(len(t)), labels, rotation=30, ha="right", fontsize=8)
-        lo, hi = t.eval_loss.min(), t.eval_loss.max()
+        sd = t["eval_loss_std"].fillna(0) if "eval_loss_std" in t else 0
+        lo, hi = (t.eval_loss - sd).min(), (t.eval_loss + sd).max()
         ax.set_ylim(lo - 0.2 * (hi - lo + 1e-3), hi + 0.2 * (hi - lo + 1e-3))
-    ax.set(ylabel="final eval loss", title=f"{sweep}")
+    ax.set(ylabel="final eval loss (± std over seeds)", title=f"{sweep}")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -778,7 +783,8 @@ def merge_committed(new: pd.DataFrame, old_csv: Path, key: tuple[str, ...]) -> t
         return new, 0
     if any(k not in old for k in key):
         return new, 0
-    ks = lambda d: d[list(key)].astype(str).apply(lambda r: "\x1f".join(r), axis=1)
+    ks = lambda d: pd.Series(["\x1f".join(_cell(x) for x in r) for r in d[list(key)].itertuples(index=False)],
+                             index=d.index, dtype=object)
     have = set(ks(new)) if len(new) else set()
     kept = old[~ks(old).isin(have)] if len(old) else old
     if kept.empty:
@@ -841,7 +847,7 @@ def compare_committed(old: pd.DataFrame, new: pd.DataFrame, key: tuple[str, ...]
     if old is None or new is None or old.empty or new.empty or col not in old or col not in new \
             or any(k not in old or k not in new for k in key):
         return []
-    ks = lambda d: d[list(key)].astype(str).apply(lambda r: ", ".join(r), axis=1)
+    ks = lambda d: [", ".join(_cell(x) for x in r) for r in d[list(key)].itertuples(index=False)]
     o = dict(zip(ks(old), old[col]))
     lines = []
     for k, v in zip(ks(new), new[col]):
