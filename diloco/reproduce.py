@@ -124,12 +124,13 @@ def headline_text(h: dict) -> str:
                      f"gap to DP {s['gap_to_dp_pct']:+.2f}%, total bytes vs DP "
                      f"{f'×{b:.4f} (1/{1 / b:.0f})' if b else '0 (no sync)'}, peak vs DiLoCo {peak}")
     for a, d in sorted(h["tau_alpha"].items()):
+        d = {int(t): v for t, v in d.items()}  # JSON keys are strings
         if not d:
             continue
         base = d.get(0, d[min(d)])
         pts = ", ".join(f"τ={t}: {v:.4f} ({100 * (v / base - 1):+.2f}%)" for t, v in sorted(d.items()))
         lines.append(f"  τ×α {a}: {pts}")
-    al = h["tau_alpha"]
+    al = {a: {int(t): v for t, v in d.items()} for a, d in h["tau_alpha"].items()}
     if "alpha=0" in al and "alpha=0.5" in al:
         common = sorted(set(al["alpha=0"]) & set(al["alpha=0.5"]))
         diff = ", ".join(f"τ={t}: {al['alpha=0.5'][t] - al['alpha=0'][t]:+.4f}" for t in common)
@@ -166,7 +167,8 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
     date: rewriting it from the same records gives the same text (the per-table dates are in provenance.json)."""
     import pandas as pd
 
-    cmd = "diloco reproduce" + (" " + shlex.join(argv) if argv else "")
+    shown_argv = [a for a in argv if a not in ("--tables-only", "--tables_only")]
+    cmd = "diloco reproduce" + (" " + shlex.join(shown_argv) if shown_argv else "")
     # steps of earlier invocations (e.g. the quick job's, when this is --full) stay listed
     steps_path = out / "steps.json"
     try:
@@ -190,25 +192,27 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
              "included), not the time of this invocation, which skips finished runs.", "",
              _md([{"step": name, "made by": f"`{v['made_by']}`", "command": f"`{v['command']}`", "runs": v["runs"],
                    "run seconds": v["run_seconds"]} for name, v in known.items()])]
-    sweeps: dict[str, str] = {}
+    sweeps: dict[str, tuple[str, str]] = {}  # sweep → (spec, root its runs were under)
     runs_csv = out / "runs.csv"
     if runs_csv.exists():
         try:
             df = pd.read_csv(runs_csv)
-            if "sweep_file" in df:
-                for sw, f in zip(df.sweep, df.sweep_file):
-                    if isinstance(f, str) and f:
-                        sweeps.setdefault(sw, f)
-            for sw in df.sweep.unique():
-                sweeps.setdefault(sw, "")
-        except (OSError, ValueError):
+            for r in df.itertuples():
+                wd = Path(str(getattr(r, "workdir", "")))
+                where = str(wd.parent.parent) if wd.parts else str(root)
+                f = getattr(r, "sweep_file", "")
+                if not (isinstance(f, str) and f):  # older records: <stem>_<arg> → sweeps/<stem>.py:<arg>
+                    stem, _, arg = r.sweep.rpartition("_")
+                    f = f"sweeps/{stem}.py:{arg}" if stem and (REPO / "sweeps" / f"{stem}.py").exists() else ""
+                sweeps.setdefault(r.sweep, (f, where))
+        except (OSError, ValueError, AttributeError):
             pass
     if sweeps:
         lines += ["", "## Sweeps in the records", "",
                   "Every sweep behind a table here (each run's exact command is in its `point.json`; `runs.csv` "
                   "has one row per run, kept even when its folder is not under this root):", ""]
-        lines += [f"- `{name}`" + (f": `diloco sweep {spec} --root {root}`" if spec else "")
-                  for name, spec in sorted(sweeps.items())]
+        lines += [f"- `{name}`" + (f": `diloco sweep {spec} --root {where}`" if spec else "")
+                  for name, (spec, where) in sorted(sweeps.items())]
     if h.get("scaling") or h.get("tau_alpha"):
         lines += ["", "## Headline (toy scale, the quick budget)", "", "```", headline_text(h), "```"]
     lines += ["", "## Files", ""]
@@ -320,6 +324,8 @@ def main(argv: list[str]) -> int:
                     help="the claims table at ≈20 tokens/parameter (experiments/claims.py): lr tuning, then "
                          "sweeps/claims.py; default root runs/full. Hours on 2 cores; resumable")
     ap.add_argument("--estimate", action="store_true", help="print the plan and time estimate, run nothing")
+    ap.add_argument("--tables_only", "--tables-only", action="store_true",
+                    help="train nothing: tables, claims and README.md from the runs already under --root")
     args = ap.parse_args(argv)
     if args.full and args.root == "runs/reproduce":
         args.root = "runs/full"
@@ -372,6 +378,12 @@ def main(argv: list[str]) -> int:
              f"estimated {est / 60:.0f} min of training; then tables → {out}/. Budget: {budget}")
         if args.estimate:
             return 0
+        if args.tables_only:
+            for name, spec, s in loaded:
+                secs, nrun = sweep_seconds(root, s)
+                steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
+                                                *([] if args.process_per_run else ["--in-process"])]), secs, nrun))
+            loaded = []
         failed = trained = skipped = 0
         with Progress(root, loaded, est):
             for name, spec, s in loaded:
