@@ -641,6 +641,11 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
             *paired_gap_pct(L("streaming_ovl_fp4_h30"), L("dp")), (-1.0, 1.0),
             f"gap to DP {min(gaps35):+.2f}…{max(gaps35):+.2f}% (35M…1B); 35M {gaps35[0]:+.2f}%",
             "band: within 1 % of DP")
+        dgaps = [pg(t5[(s, "diloco_h30")], t5[(s, "data_parallel")]) for s in ("35M", "100M", "200M", "300M", "500M", "1B")]
+        add("DiLoCo (H=30) ≈ DP at equal tokens", "Table 5", runs,
+            *paired_gap_pct(L("diloco_h30"), L("dp")), (-1.0, 1.0),
+            f"gap to DP {min(dgaps):+.2f}…{max(dgaps):+.2f}% (35M…1B); 35M {dgaps[0]:+.2f}%",
+            "band: within 1 % of DP; outer lr tuned for this row (sweeps/tune_outer_lr.py)")
         add("Fragmenting alone (Streaming α=0, τ=0, FP32 vs DiLoCo) costs nothing", "Table 5 / Fig. 4", runs,
             *paired_gap_pct(L("streaming_h30,alpha=0.0"), L("diloco_h30")), (-0.5, 0.5),
             "Streaming ≈ DiLoCo at every scale (Fig. 4)", "rows differ only in P (3 vs 1)")
