@@ -947,8 +947,24 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
         write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling"))], root, prov)
         touched += [out / "claims.md", out / "claims.csv"]
     failed = df[df.status != "done"]
-    if len(failed):
-        write_table(failed[["sweep", "point", "status", *(["error"] if "error" in failed else [])]], out,
+    fr = out / "failed_runs.csv"
+    if fr.exists():  # a committed failure that has finished since (under this root) is no longer one
+        try:
+            old = pd.read_csv(fr)
+            done_now = set(zip(df[df.status == "done"].sweep, df[df.status == "done"].point))
+            old = old[[(a, b) not in done_now for a, b in zip(old.sweep, old.point)]]
+            new_keys = set(zip(failed.sweep, failed.point))
+            old = old[[(a, b) not in new_keys for a, b in zip(old.sweep, old.point)]]
+        except (OSError, ValueError, AttributeError):
+            old = pd.DataFrame()
+        if old.empty and not len(failed):
+            fr.unlink()
+            (out / "failed_runs.md").unlink(missing_ok=True)
+    else:
+        old = pd.DataFrame()
+    if len(failed) or not old.empty:
+        cols = ["sweep", "point", "status", *(["error"] if "error" in failed else [])]
+        write_table(pd.concat([failed[cols], old], ignore_index=True), out,
                     "failed_runs", "Runs without a summary (failed or unfinished)")
         touched += [out / "failed_runs.csv", out / "failed_runs.md"]
     _write_if_changed(out / "provenance.json", json.dumps(prov, indent=1, sort_keys=True) + "\n",
