@@ -5,6 +5,9 @@ A sweep file defines `get_sweep(arg: str) -> dict` with
   experiment  the spec every point starts from, e.g. "experiments/ablate_tau.py:toy"
   points      list of dicts: config overrides ({"tau": 5, "alpha": 0.5}); the key "arg" replaces the
               spec's argument (after the colon). Build them with product(...) / zip_(...) below.
+  seeds       optional K (default 1; `--seeds K` overrides): every point runs for seed 0 … K-1, each its
+              own workdir ("<point>" for seed 0, the spec's own seed; "<point>,seed=s" with
+              --config.seed=s for s ≥ 1), so raising K later reuses the finished seeds.
 A point runs as `python -m diloco.cli train --config SPEC --workdir ROOT/NAME/POINT --config.k=v…` in
 its own process: a finished point (summary.json) is skipped, a failing one leaves failed.json with
 the error tail and the rest go on, a per-point lock keeps two sweeps on one root off the same point.
@@ -66,8 +69,20 @@ def point_name(point: dict) -> str:
     return name[:200]
 
 
-def load_sweep(spec: str) -> dict:
-    """`sweeps/x.py[:arg]` → {"name", "experiment", "points": [{"name", "spec", "overrides", "point"}]}."""
+def seeded_name(name: str, seed: int) -> str:
+    """A point's folder for one seed: seed 0 keeps the plain name (the spec's own seed)."""
+    return name if seed == 0 else f"{name},seed={seed}"
+
+
+def base_name(name: str) -> tuple[str, int]:
+    """Inverse of seeded_name: "tau=1,seed=2" → ("tau=1", 2); "tau=1" → ("tau=1", 0)."""
+    m = re.fullmatch(r"(.*),seed=(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, 0)
+
+
+def load_sweep(spec: str, seeds: int | None = None) -> dict:
+    """`sweeps/x.py[:arg]` → {"name", "experiment", "seeds", "points": [{"name", "spec", "overrides",
+    "point", "seed"}]}; `seeds` overrides the sweep file's own K (default 1)."""
     path, _, arg = spec.partition(":")
     p = repo_path(path)
     if not p.is_file():
@@ -83,8 +98,11 @@ def load_sweep(spec: str) -> dict:
         if k not in raw:
             raise ConfigError(f"sweep.{k}", f"{p}: get_sweep() must return a dict with {k!r}")
     name = raw.get("name") or p.stem
+    k = raw.get("seeds", 1) if seeds is None else seeds
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError("sweep.seeds", f"seeds must be a whole number ≥ 1, got {k!r}; e.g. --seeds 3")
     exp_path, _, exp_arg = raw["experiment"].partition(":")
-    points, seen = [], {}
+    base, seen = [], {}
     for pt in raw["points"] or [{}]:
         pt = dict(pt)
         a = pt.get("arg", exp_arg)
@@ -92,10 +110,17 @@ def load_sweep(spec: str) -> dict:
         pname = point_name(pt)
         if pname in seen:
             raise ConfigError("sweep.points", f"two points map to the same folder {pname!r}: {seen[pname]} and {pt}")
+        if "seed" in pt:
+            raise ConfigError("sweep.points", f"point {pt} sets 'seed'; use the sweep's seeds=K (or --seeds K)")
         seen[pname] = pt
-        points.append({"name": pname, "spec": f"{exp_path}:{a}" if a else exp_path, "overrides": overrides,
-                       "point": pt})
-    return {"name": name, "experiment": raw["experiment"], "points": points, "file": str(p), "arg": arg}
+        base.append({"name": pname, "spec": f"{exp_path}:{a}" if a else exp_path, "overrides": overrides,
+                     "point": pt})
+    # seed-major: every point's seed 0 first, then every point's seed 1, … (a partial run covers all points)
+    points = [{**b, "name": seeded_name(b["name"], sd), "seed": sd,
+               "overrides": b["overrides"] + ([f"--config.seed={sd}"] if sd else [])}
+              for sd in range(k) for b in base]
+    return {"name": name, "experiment": raw["experiment"], "points": points, "file": str(p), "arg": arg,
+            "seeds": k}
 
 
 def train_command(point: dict, workdir: Path, extra: list[str] = ()) -> list[str]:
@@ -207,6 +232,7 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
         atomic_write_json(wd / "point.json", {"sweep": sweep["name"], "sweep_file": sweep["file"],
                                               "sweep_arg": sweep["arg"], "experiment": sweep["experiment"],
                                               "spec": point["spec"], "point": point["point"],
+                                              "seed": point.get("seed", 0), "base_point": base_name(point["name"])[0],
                                               "axes": [k for k in point["point"] if k != "arg"],
                                               "overrides": [*point["overrides"], *extra],
                                               "command": shown(cmd)})
@@ -300,6 +326,7 @@ def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: lis
     atomic_write_json(names, [p["name"] for p in pts])
     spec = sweep["file"] + (f":{sweep['arg']}" if sweep["arg"] else "")
     cmd = [sys.executable, "-m", "diloco.cli", "sweep", spec, "--root", str(root), "--in-process", "-j", "1",
+           "--seeds", str(sweep.get("seeds", 1)),
            "--points-file", str(names), *[f"--set={e[len('--config.'):]}" for e in extra]]
     if not quiet:
         done = sum(before.values())
@@ -388,6 +415,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("sweep", help="sweeps/<name>.py[:arg], e.g. sweeps/tau_alpha.py:toy")
     ap.add_argument("--root", required=True, help="folder that gets <sweep name>/<point>/ workdirs")
     ap.add_argument("--workers", "-j", type=int, default=1, help="points run at once (processes)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="run every point for seeds 0…K-1 (default: the sweep file's, else 1); finished seeds are kept")
     ap.add_argument("--only", default="", help="run only points whose folder name contains this")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --config.KEY=VALUE for every point (changes the run: use a new --root)")
@@ -406,7 +435,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--execute", action="store_true", help="with --launch tpu: run the script after writing it")
     args = ap.parse_args(argv)
     try:
-        sweep = load_sweep(args.sweep)
+        sweep = load_sweep(args.sweep, args.seeds)
         extra = []
         for s in args.set:
             k, eq, v = s.partition("=")

@@ -19,6 +19,9 @@ SPECS = {  # spec → arguments at paper scale and at toy scale
     "ablate_replicas": [f"{s},{m},{f}" for s in ("500M", "toy") for m in (2, 4, 8) for f in ("global", "local")],
     "ablate_H": [f"{s},{m}" for s in ("500M", "toy") for m in ("diloco", "streaming")],
     "fedpart": [f"{s},{f}" for s in ("500M", "toy") for f in ("true", "false")],
+    "claims": [f"{s},{m}" for s in ("tiny", "toy") for m in ("dp", "diloco_h30", "streaming_h30",
+                                                             "streaming_ovl_fp4_h30", "streaming_ovl_fp4_h100")]
+              + ["tiny,streaming_ovl_fp4_h30,4"],
 }
 
 
@@ -93,3 +96,50 @@ def test_every_sweep_point_validates(name):
     for p in s["points"]:  # the defaults are toy twins: the full CLI path, data checks included
         c = load_config(p["spec"], p["overrides"])
         assert c.scale in ("tiny", "toy")
+
+
+def test_claims_budget_is_the_papers_shape():
+    """≈20 tokens per parameter, ≥30 outer rounds per fragment at H=30 and H=100 (toy H 10, 33), warm-up
+    short against the rounds, the tuned lrs from their sweeps."""
+    from diloco.model.scales import BYTE_VOCAB, padded_vocab
+    from diloco.model.sizes import param_count
+    from experiments import claims
+
+    for m in ("streaming_ovl_fp4_h30", "streaming_ovl_fp4_h100", "diloco_h30"):
+        c = _get("claims", f"tiny,{m}")
+        tokens = c.steps * c.batch_size * c.seq_len
+        assert 19 <= tokens / param_count(c.scale, padded_vocab(BYTE_VOCAB)) <= 22
+        assert c.steps // c.H >= 30
+        assert c.optimizer.warmup_steps <= 0.1 * c.steps and c.optimizer.warmup_steps <= 5 * c.H
+        assert (c.optimizer.lr, c.outer.lr) == (claims.TUNED["tiny"]["inner_lr"], claims.TUNED["tiny"]["outer_lr"])
+    for f in claims.TUNED["tiny"]["chosen_by"].split(", "):
+        load_sweep(f)
+    dp = _get("claims", "tiny,dp")
+    assert dp.eval_batches == claims.EVAL_BATCHES and dp.steps == claims.STEPS["tiny"]
+
+
+def test_claims_sweeps_differ_in_one_factor():
+    from diloco.config import load_config
+
+    s = load_sweep("sweeps/claims.py:headline,tiny")
+    cfgs = {p["name"]: load_config(p["spec"], p["overrides"]).to_dict() for p in s["points"] if p["seed"] == 0}
+
+    def diff(a, b):
+        keys = ("method", "layers_per_fragment", "alpha", "tau", "codec", "H", "replicas")
+        return {k for k in keys if cfgs[a][k] != cfgs[b][k]}
+    chain = ["tiny+diloco_h30", "tiny+streaming_h30,alpha=0.0", "tiny+streaming_h30", "tiny+streaming_ovl_h30",
+             "tiny+streaming_ovl_fp4_h30", "tiny+streaming_ovl_fp4_h100"]
+    steps = [diff(a, b) for a, b in zip(chain, chain[1:])]
+    assert steps == [{"method", "layers_per_fragment"}, {"alpha"}, {"tau"}, {"codec"}, {"H"}]
+    assert diff("tiny+streaming_ovl_fp4_h30", "tiny+streaming_ovl_fp4_h30+4") == {"replicas"}
+    p = load_sweep("sweeps/claims.py:pattern,toy")
+    pc = [load_config(q["spec"], q["overrides"]) for q in p["points"] if q["seed"] == 0]
+    assert [c.pattern for c in pc] == ["strided", "sequential"]
+    from diloco.model.scales import SCALES
+    from diloco.outer.fragments import block_fragment
+
+    layers = SCALES[pc[0].scale].layers
+    P = layers // pc[0].layers_per_fragment
+    assert P >= 2 and pc[0].layers_per_fragment >= 2  # ≥ 2 blocks per fragment and P ≥ 2 …
+    assigned = [[block_fragment(i, layers, P, c.pattern) for i in range(layers)] for c in pc]
+    assert assigned[0] != assigned[1]  # … so the two patterns really assign blocks differently

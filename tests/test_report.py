@@ -105,3 +105,91 @@ def test_markdown_table_cells_are_formatted_once():
                                             ["dp", "3.1416", "20000000", "0.0001234"],
                                             ["streaming_ovl_fp4_h30", "", "1234", "150.2"]]
     assert report.markdown(df.iloc[:0]) == "_(no runs)_\n"
+
+
+# -- seeds, merging, claims: from hand-written run records (no training) --------------------------------
+def _record(root, sweep, point, spec, loss, seed=0, finished=None, sweep_file="sweeps/c4_scaling.py", arg="tiny",
+            **cfg_over):
+    from diloco.config import load_config
+
+    cfg = load_config(spec, [f"--config.{k}={v}" for k, v in cfg_over.items()]).to_dict()
+    cfg["seed"] = seed
+    name = point if seed == 0 else f"{point},seed={seed}"
+    wd = root / sweep / name
+    wd.mkdir(parents=True)
+    (wd / "config.json").write_text(json.dumps(cfg))
+    (wd / "point.json").write_text(json.dumps({"sweep": sweep, "spec": spec.removeprefix("experiments/") and spec,
+                                               "point": {"arg": spec.split(":")[1]}, "seed": seed,
+                                               "base_point": point, "sweep_file": sweep_file, "sweep_arg": arg}))
+    (wd / "summary.json").write_text(json.dumps({
+        "final_eval_loss": loss, "bytes_exchanged_total": 1000 if cfg["method"] == "dp" else 10,
+        "bytes_peak_per_sync": 10, "syncs": 3, "params": 100, "fragments": 1, "tokens": 2000, "wall_seconds": 7.0,
+        "H": cfg["H"] if cfg["method"] != "dp" else None, "fragment_sizes": [100]}))
+    return wd
+
+
+def test_seed_rows_are_mean_and_sample_std_and_gaps_are_paired(tmp_path):
+    root = tmp_path / "runs"
+    for seed, (dp, st) in enumerate([(2.0, 2.1), (2.2, 2.2), (2.4, 2.52)]):
+        _record(root, "c4_scaling_tiny", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", dp, seed)
+        _record(root, "c4_scaling_tiny", "tiny+streaming_ovl_fp4_h30",
+                "experiments/c4_scaling.py:tiny,streaming_ovl_fp4_h30", st, seed)
+    report.build(root, tmp_path / "out", quiet=True)
+    t5 = pd.read_csv(tmp_path / "out" / "table5_c4_scaling.csv").set_index("method")
+    # by hand: DP 2.0, 2.2, 2.4 → mean 2.2, sample std 0.2; gaps 5 %, 0 %, 5 % → mean 3.3333 %,
+    # sd 2.88675 %, 2·sd/√3 = 3.33333 %
+    assert t5.n["data_parallel"] == 3
+    assert math.isclose(t5.eval_loss["data_parallel"], 2.2, rel_tol=1e-12)
+    assert math.isclose(t5.eval_loss_std["data_parallel"], 0.2, rel_tol=1e-9)
+    assert math.isclose(t5.gap_to_dp_pct["streaming_ovl_fp4_h30"], 10 / 3, rel_tol=1e-9)
+    assert math.isclose(t5.gap_to_dp_pct_unc["streaming_ovl_fp4_h30"], 2 * math.sqrt(25 / 3) / math.sqrt(3),
+                        rel_tol=1e-9)
+    md = (tmp_path / "out" / "table5_c4_scaling.md").read_text()
+    assert "| 2.2 ± 0.2 " in md and "3.3333 ± 3.3333" in md
+    # 3.33 ± 3.33 is not a difference (|gap| must exceed its uncertainty); n < 2 never is
+    assert report.is_difference(10 / 3, 2 * math.sqrt(25 / 3) / math.sqrt(3)) is False
+    assert report.is_difference(5.0, 1.0) is True and report.is_difference(5.0, float("nan")) is None
+    assert report.verdict(0.3, 0.2, -1, 1) == "agrees" and report.verdict(3.0, 0.5, -1, 1) == "disagrees"
+    assert report.verdict(0.9, 0.5, -1, 1) == "inconclusive" and report.verdict(0.1, float("nan"), -1, 1).startswith("inconclusive")
+
+
+def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
+    """A fresh clone's reproduce: the root holds only some of the runs behind the committed tables."""
+    from diloco import reproduce
+
+    full, part, out = tmp_path / "full", tmp_path / "part", tmp_path / "out"
+    for scale in ("tiny", "toy"):
+        _record(full, "c4_scaling_tiny+toy", f"{scale}+dp", f"experiments/c4_scaling.py:{scale},dp", 2.5)
+        _record(full, "c4_scaling_tiny+toy", f"{scale}+streaming_ovl_fp4_h30",
+                f"experiments/c4_scaling.py:{scale},streaming_ovl_fp4_h30", 2.6)
+    _record(full, "tau_alpha_tiny", "tau=0,alpha=0.0", "experiments/ablate_tau.py:tiny", 2.7,
+            sweep_file="sweeps/tau_alpha.py")
+    report.build(full, out, quiet=True)
+    reproduce.write_readme(out, full, [], [], {"scaling": [], "tau_alpha": {}})
+    before = {p.name: p.read_text() for p in out.iterdir() if p.suffix in (".csv", ".md")}
+    assert {"table5_c4_scaling.csv", "ablation_tau_alpha_tiny.csv", "runs.csv", "README.md"} <= set(before)
+    # rerun: only tiny's c4 runs are present, with the same numbers
+    _record(part, "c4_scaling_tiny+toy", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", 2.5)
+    _record(part, "c4_scaling_tiny+toy", "tiny+streaming_ovl_fp4_h30",
+            "experiments/c4_scaling.py:tiny,streaming_ovl_fp4_h30", 2.6)
+    report.build(part, out, quiet=True)
+    reproduce.write_readme(out, part, [], [], {"scaling": [], "tau_alpha": {}})
+    t5 = pd.read_csv(out / "table5_c4_scaling.csv")
+    assert sorted(zip(t5.scale, t5.method)) == [("tiny", "data_parallel"), ("tiny", "streaming_ovl_fp4_h30"),
+                                                ("toy", "data_parallel"), ("toy", "streaming_ovl_fp4_h30")]
+    assert (out / "ablation_tau_alpha_tiny.md").read_text() == before["ablation_tau_alpha_tiny.md"]
+    assert len(pd.read_csv(out / "runs.csv")) == 5
+    readme = (out / "README.md").read_text()
+    assert "tau_alpha_tiny" in readme and "ablation_tau_alpha_tiny.md" in readme
+    assert "2 row(s) kept from the committed table" in (out / "table5_c4_scaling.md").read_text()
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["table5_c4_scaling"]["runs"] == 2 and prov["table5_c4_scaling"]["rows_kept_from_committed"] == 2
+    # a number that changes at the printed precision is reported
+    part2 = tmp_path / "part2"
+    _record(part2, "c4_scaling_tiny+toy", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", 2.50004)
+    report.build(part2, out, quiet=True)
+    assert report.build.changed == []  # 2.5 vs 2.50004: the same 4 printed decimals
+    part3 = tmp_path / "part3"
+    _record(part3, "c4_scaling_tiny+toy", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", 2.5123)
+    report.build(part3, out, quiet=True)
+    assert report.build.changed == ["table5_c4_scaling: tiny, data_parallel, 2: 2.5 → 2.5123"]

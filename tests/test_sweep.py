@@ -164,3 +164,36 @@ def test_status_is_one_line_per_change_with_counts_from_disk(tmp_path, capsys):
     assert re.fullmatch(r"\[t\] failed  tiny\+diloco_h30,tau=3  \d+ s  \(1/2 finished\)  rc=2: diloco train: bad input: "
                         r"method: diloco is P=1, tau=0; .*  → \S+/failed\.json", lines[2]), lines[2]
     assert len(lines) == 3
+
+
+def test_seeds_expand_every_point_seed_major_and_keep_seed_zero_folders(tmp_path):
+    f = _write_sweep(tmp_path, 'product(tau=[0, 1])')
+    one = sw.load_sweep(str(f))
+    three = sw.load_sweep(str(f), seeds=3)
+    assert [p["name"] for p in one["points"]] == ["tau=0", "tau=1"]
+    assert [p["name"] for p in three["points"]] == ["tau=0", "tau=1", "tau=0,seed=1", "tau=1,seed=1",
+                                                    "tau=0,seed=2", "tau=1,seed=2"]
+    assert three["points"][0]["overrides"] == one["points"][0]["overrides"]  # seed 0: the same run as K=1
+    assert three["points"][5]["overrides"] == ["--config.tau=1", "--config.seed=2"]
+    assert [p["seed"] for p in three["points"]] == [0, 0, 1, 1, 2, 2]
+    assert sw.base_name("tau=1,seed=2") == ("tau=1", 2) and sw.base_name("tau=1") == ("tau=1", 0)
+    f2 = _write_sweep(tmp_path, '[{"tau": 0}]', name="u")
+    f2.write_text(f2.read_text().replace('"points"', '"seeds": 2, "points"'))
+    assert [p["name"] for p in sw.load_sweep(str(f2))["points"]] == ["tau=0", "tau=0,seed=1"]
+    with pytest.raises(ConfigError, match="sweep.seeds"):
+        sw.load_sweep(str(f), seeds=0)
+    with pytest.raises(ConfigError, match="seeds=K"):
+        sw.load_sweep(str(_write_sweep(tmp_path, '[{"seed": 1}]', name="v")))
+
+
+def test_seeds_run_as_separate_resumable_points(tmp_path):
+    f = str(_write_sweep(tmp_path, '[{}]'))
+    extra = [f"--config.{k}={v}" for k, v in FAST.items()]
+    first = sw.run_sweep(sw.load_sweep(f), tmp_path / "root", extra=extra, quiet=True, in_process=True)
+    res = sw.run_sweep(sw.load_sweep(f, seeds=2), tmp_path / "root", extra=extra, quiet=True, in_process=True)
+    assert [r["status"] for r in first] == ["done"] and [r["status"] for r in res] == ["skipped", "done"]
+    cfgs = [json.loads((tmp_path / "root" / "t" / n / "config.json").read_text()) for n in ("default", "default,seed=1")]
+    assert [c["seed"] for c in cfgs] == [0, 1]
+    pts = [json.loads((tmp_path / "root" / "t" / n / "point.json").read_text()) for n in ("default", "default,seed=1")]
+    assert [(p["seed"], p["base_point"]) for p in pts] == [(0, "default"), (1, "default")]
+    assert res[0]["final_eval_loss"] != res[1]["final_eval_loss"]  # another initialisation and data order

@@ -1,0 +1,71 @@
+"""The real training loop (train()) with the real data loader: which rows each replica gets, and
+that with M=1, outer lr 1, momentum 0 (α=0, τ=0, no codec) the DiLoCo family ends at DP's parameters."""
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from diloco.data import TokenBatches
+from diloco.train import train
+from diloco.trainer import Trainer, load_run
+
+
+def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(tmp_path, monkeypatch):
+    seen_global, seen_replica = [], []
+    real_next, real_fn = TokenBatches.__next__, Trainer.inner_step_fn
+
+    def rec_next(self):
+        b = real_next(self)
+        if self.split == "train":
+            seen_global.append(np.array(b))
+        return b
+
+    def rec_fn(self, active=None):
+        f = real_fn(self, active)
+
+        def g(state, tokens, *rest):
+            seen_replica.append(np.array(tokens))
+            return f(state, tokens, *rest)
+        return g
+
+    monkeypatch.setattr(TokenBatches, "__next__", rec_next)
+    monkeypatch.setattr(Trainer, "inner_step_fn", rec_fn)
+    cfg = tiny_config("diloco", replicas=2, batch_size=4, steps=4, H=2, eval_every=4, checkpoint_every=4)
+    train(cfg, tmp_path / "run", progress=False)
+    assert len(seen_replica) == 4 and len(seen_global) >= 4
+    for glob, per in zip(seen_global, seen_replica):
+        R, B, L = per.shape
+        assert (R, B * R, L) == (2, glob.shape[0], glob.shape[1])
+        rows = [tuple(r) for r in per.reshape(R * B, L)]
+        assert sorted(rows) == sorted(tuple(r) for r in glob)  # the global batch, each row once
+        assert not any(np.array_equal(per[0, i], per[1, j]) for i in range(B) for j in range(B))
+    # and the next step's rows are new ones
+    assert not np.array_equal(seen_replica[0], seen_replica[1])
+
+
+def test_M1_outer_lr1_momentum0_ends_with_dp_parameters(tmp_path):
+    """θᵍ ← θᵍ − 1·(θᵍ − θ) = θ at every sync and the merge (α=0) puts it back: the replica of DiLoCo and
+    of Streaming (P=3 staggered fragments) ends where DP ends, through train() and the real data loader;
+    DiLoCo's θᵍ too (its last sync is the last step). Streaming's θᵍ of fragments 1, 2 is that of their
+    last sync (steps 4, 5 of 6), so it is not compared."""
+    common = dict(replicas=1, steps=6, H=3, eval_every=6, checkpoint_every=6)
+    runs = {"dp": tiny_config("dp", **common),
+            "diloco": tiny_config("diloco", **common, **{"outer.lr": 1.0, "outer.momentum": 0.0}),
+            "streaming": tiny_config("streaming", **common, tau=0, alpha=0.0, codec="none", layers_per_fragment=1,
+                                     **{"outer.lr": 1.0, "outer.momentum": 0.0})}
+    params, outer = {}, {}
+    for name, cfg in runs.items():
+        assert cfg.optimizer.to_dict() == runs["dp"].optimizer.to_dict()
+        s = train(cfg, tmp_path / name, progress=False)
+        if name == "streaming":
+            assert s["fragments"] == 3
+        _, tr, state = load_run(tmp_path / name)
+        params[name] = [np.asarray(x)[0] for x in jax.tree_util.tree_leaves(state.params)]  # replica 0 of 1
+        outer[name] = [np.asarray(x) for x in jax.tree_util.tree_leaves(tr.eval_params(state))]
+    start = [np.asarray(x) for x in jax.tree_util.tree_leaves(Trainer(runs["dp"]).init_params())]
+    for name in ("diloco", "streaming"):
+        worst = max(float(np.max(np.abs(x - y))) for x, y in zip(params["dp"], params[name]))
+        assert worst < 1e-5, (name, worst)
+    worst = max(float(np.max(np.abs(x - y))) for x, y in zip(params["dp"], outer["diloco"]))
+    assert worst < 1e-5, worst
+    assert max(float(np.max(np.abs(x - y))) for x, y in zip(params["dp"], start)) > 1e-3  # training moved them

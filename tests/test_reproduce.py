@@ -1,0 +1,32 @@
+"""diloco reproduce: the up-front estimate (from the root's own finished runs) and the plan of --full."""
+import json
+
+from diloco import reproduce, sweep as sw
+
+
+def test_estimate_uses_the_roots_measured_seconds_per_step(tmp_path):
+    s = sw.load_sweep("sweeps/tau_alpha.py:tiny")  # 12 points of experiments/ablate_tau.py:tiny (200 steps)
+    done = tmp_path / s["name"] / s["points"][0]["name"]
+    done.mkdir(parents=True)
+    (done / "config.json").write_text(json.dumps({"scale": "tiny", "steps": 200}))
+    (done / "summary.json").write_text(json.dumps({"wall_seconds": 20.0}))  # 0.1 s per step
+    secs, left = reproduce.estimate_seconds(tmp_path, [("tau_alpha", "", s)], workers=2)
+    assert left == 11
+    assert abs(secs - 11 * (0.1 * 200 + 10.0) / 2) < 1e-9  # by hand: 165 s
+    secs, _ = reproduce.estimate_seconds(tmp_path, [("tau_alpha", "", s)], workers=1, extra=["--config.steps=50"])
+    assert abs(secs - 11 * (0.1 * 50 + 10.0)) < 1e-9
+    fresh, _ = reproduce.estimate_seconds(tmp_path / "none", [("tau_alpha", "", s)], workers=1)
+    assert abs(fresh - 12 * (reproduce.SECONDS_PER_STEP["tiny"] * 200 + 10.0)) < 1e-9
+
+
+def test_full_plan_is_the_claims_budget():
+    from diloco.config import load_config
+
+    names = [n for n, _ in reproduce.FULL_PLAN]
+    assert names[:2] == ["tune_inner_lr", "tune_outer_lr"]  # tuning first, then the claims sweeps
+    for _, spec in reproduce.FULL_PLAN:
+        s = sw.load_sweep(spec)
+        if s["name"].startswith("claims_headline"):
+            assert s["seeds"] == 3
+            c = load_config(s["points"][0]["spec"], s["points"][0]["overrides"])
+            assert c.steps == 990 and c.eval_batches == 64
