@@ -1,3 +1,14 @@
 """diloco: Data-Parallel, DiLoCo and Streaming DiLoCo (arXiv 2501.18512) in one JAX/Flax loop."""
+import glob as _glob
+import os as _os
 
 __version__ = "0.1.0"
+
+# With libtpu installed (the `tpu` extra, for `diloco compile`), JAX probes for a TPU at start-up and
+# libtpu prints several lines when there is none. On a machine with no accelerator device at all
+# (no /dev/accel* or /dev/vfio of a TPU VM, no /dev/nvidia* of a GPU) the CPU is all there is: say so
+# to JAX before it starts, unless the user chose platforms. `diloco compile` still reaches libtpu's
+# topologies (they do not need the TPU backend).
+if "JAX_PLATFORMS" not in _os.environ and not any(
+        _glob.glob(p) for p in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")):
+    _os.environ["JAX_PLATFORMS"] = "cpu"

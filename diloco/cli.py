@@ -85,8 +85,8 @@ def run(argv: list[str], program: bool = False) -> int:
     if name not in COMMANDS:
         print(f"diloco: unknown command {name!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    compile_cache()
     with start_up_guard(name, program):
+        compile_cache()
         module = importlib.import_module(COMMANDS[name][0])  # seconds: JAX, flax, orbax…
         if name in GUARDED:
             return int(module.main(rest) or 0)

@@ -10,7 +10,7 @@ pipe (`signal.set_wakeup_fd`); a watcher thread reads the pipe and:
 - when this module's handler is still the one installed (start-up, or after a loop restored it):
   prints one line saying what is saved and exits at once with 130;
 - when someone else installed a handler meanwhile (the training loop, which saves a checkpoint at
-  the end of its current step): lets it work; if the process is still running 2 s later it says
+  the end of its current step): lets it work; if the process is still running 5 s later it says
   what it is waiting for; a second signal exits at once (checkpoints are written atomically, so an
   unfinished one is simply not there).
 """
@@ -34,7 +34,7 @@ def _ignore(signum, frame) -> None:
 
 @contextlib.contextmanager
 def prompt_exit(on_idle: Callable[[str], str], on_busy: Callable[[str], str], on_again: Callable[[str], str],
-                grace_s: float = 2.0) -> Iterator[None]:
+                grace_s: float = 5.0) -> Iterator[None]:
     """While inside: a signal exits at once (printing `on_idle(name)`) unless another handler took
     over, in which case `on_busy(name)` is printed if it has not finished after `grace_s` and a
     second signal exits printing `on_again(name)`. Outside the main thread this does nothing."""
