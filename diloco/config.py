@@ -206,6 +206,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
             raise ConfigError("exchange", "in_step runs a send's exchange inside the next inner step, so it needs "
                               f"tau ≥ 1 (got tau={sched.tau_min}); use exchange=blocking or exchange=auto")
         codec_from_config(cfg)
+    mesh_rules(cfg)
     n_dev = num_devices
     if n_dev is not None:
         r_axis, data_axis, fsdp_axis = mesh_shape(cfg, n_dev)
@@ -273,6 +274,39 @@ def replica_axis_size(cfg, n_dev: int) -> int:
     if cfg.mesh.replica_axis:
         raise ConfigError("mesh.replica_axis", f"{want} must divide both the {n_dev} devices and replicas={cfg.replicas}")
     return 1
+
+
+# Logical axis names the model uses (diloco/model/transformer.py: parameters and activations) and the mesh axes.
+LOGICAL_NAMES = ("batch", "length", "vocab", "embed", "qkv", "heads", "head_dim", "mlp", "layers")
+MESH_AXES = ("replica", "data", "fsdp")
+DEFAULT_RULES = "batch=data+fsdp,embed=fsdp"
+
+
+def mesh_rules(cfg) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+    """`mesh.rules` → flax logical axis rules: "name=axis[+axis…],name=,…" maps each logical name to
+    mesh axes (empty: replicated); earlier rules win a mesh axis (flax), names not listed are replicated.
+    `batch` is the per-replica batch (the replica axis is always in front)."""
+    text = str(cfg.mesh.get("rules", DEFAULT_RULES)).strip()
+    rules, seen = [], set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, eq, axes = item.partition("=")
+        name = name.strip()
+        if not eq:
+            raise ConfigError("mesh.rules", f"{item!r} is not name=axis (e.g. {DEFAULT_RULES!r})")
+        if name not in LOGICAL_NAMES:
+            raise ConfigError("mesh.rules", f"{name!r} is not a logical axis name; use one of {', '.join(LOGICAL_NAMES)}")
+        if name in seen:
+            raise ConfigError("mesh.rules", f"{name!r} is given twice")
+        seen.add(name)
+        got = tuple(a.strip() for a in axes.split("+") if a.strip())
+        bad = [a for a in got if a not in MESH_AXES[1:]]
+        if bad:
+            raise ConfigError("mesh.rules", f"{name}={axes}: {bad[0]!r} is not a mesh axis inside a replica; "
+                              "use data, fsdp or nothing (replicated)")
+        if len(set(got)) != len(got):
+            raise ConfigError("mesh.rules", f"{name}={axes} names a mesh axis twice")
+        rules.append((name, got or None))
+    return tuple(rules)
 
 
 def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:

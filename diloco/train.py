@@ -318,6 +318,7 @@ class Run:
             "fragment_sizes": list(sync.frags.sizes) if sync else None,
             "corpus": corpus_info(cfg.data, cfg.data_dir or None),
             "versions": versions(),
+            "mesh": dict(tr.mesh.shape),
         })
         if cfg.downstream.tasks:
             summary["downstream"] = self.downstream(drained, write=False)

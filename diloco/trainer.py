@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diloco.config import mesh_shape
+from diloco.config import mesh_rules, mesh_shape
 from diloco.data import get_vocabulary
-from diloco.model import ModelConfig, Transformer, loss_fn
+from diloco.model import ModelConfig, Transformer, loss_fn, param_logical_axes
 from diloco.model.scales import TOY_SCALES, formula_params
 from diloco.outer.codecs import codec_from_config
 from diloco.outer.driver import OuterDriver
@@ -153,13 +154,75 @@ class Trainer:
         return TrainState(params=params_R, opt=jax.vmap(self.tx.init)(params_R), step=jnp.zeros((), jnp.int32),
                           outer=self.sync.init(params) if self.sync is not None else None)
 
-    def param_sharding(self, shape_R) -> NamedSharding:
-        """A replica-stacked leaf (R, …): `replica` on the leading axis, `fsdp` by `fsdp_spec`."""
-        return NamedSharding(self.mesh, P("replica", *fsdp_spec(tuple(shape_R[1:]), self.mesh.shape["fsdp"])))
+    # -- layout by logical axis names (mesh.rules) -------------------------------------------------
+    @property
+    def rules(self) -> tuple:
+        """flax logical axis rules from `mesh.rules` (validated: diloco/config.py mesh_rules)."""
+        if getattr(self, "_rules", None) is None:
+            self._rules = mesh_rules(self.cfg)
+        return self._rules
 
-    def outer_param_sharding(self, shape) -> NamedSharding:
+    def param_names(self) -> dict:
+        """{parameter path (dict keys): its logical axis names} (diloco.model.param_logical_axes)."""
+        if getattr(self, "_param_names", None) is None:
+            axes = param_logical_axes(self.mcfg)
+            flat = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda t: isinstance(t, tuple))[0]
+            self._param_names = {path_keys(p): names for p, names in flat}
+        return self._param_names
+
+    def names_at(self, path) -> tuple | None:
+        """Logical names of a leaf of the parameter tree or of a tree shaped like it (AdamW's mu/nu)."""
+        keys = path_keys(path)
+        names = self.param_names()
+        for k in range(len(keys)):  # the longest suffix that is a parameter path
+            if keys[k:] in names:
+                return names[keys[k:]]
+        return None
+
+    def logical_spec(self, names, shape) -> tuple:
+        """Per-dimension mesh axes of one (unstacked) parameter from the rules; a mesh axis of size 1, or
+        one that does not divide its dimension, is dropped (that dimension stays whole)."""
+        if names is None or len(names) != len(shape):
+            return (None,) * len(shape)
+        spec = logical_spec(names, self.rules)
+        out = []
+        for d, entry in zip(shape, spec):
+            axes = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if self.mesh.shape[a] > 1)
+            k = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+            out.append(None if not axes or d % k else (axes[0] if len(axes) == 1 else axes))
+        return tuple(out)
+
+    def param_sharding(self, shape_R, names=None) -> NamedSharding:
+        """A replica-stacked leaf (R, …): `replica` on the leading axis, the rest by the logical rules."""
+        return NamedSharding(self.mesh, P("replica", *self.logical_spec(names, tuple(shape_R[1:]))))
+
+    def outer_param_sharding(self, shape, names=None) -> NamedSharding:
         """θᵍ: sharded like one replica's parameters, without the replica axis."""
-        return NamedSharding(self.mesh, P(*fsdp_spec(tuple(shape), self.mesh.shape["fsdp"])))
+        return NamedSharding(self.mesh, P(*self.logical_spec(names, tuple(shape))))
+
+    def outer_param_shardings(self, tree):
+        """θᵍ-shaped tree (no replica axis) → its shardings."""
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: self.outer_param_sharding(x.shape, self.names_at(p)), tree)
+
+    def activation_rules(self) -> bool:
+        """Trace the model under the mesh and rules (activation constraints on): only when a replica's
+        parameters are sharded (fsdp > 1); otherwise the programs are the same as without rules."""
+        return self.mesh.shape["fsdp"] > 1
+
+    def in_rules(self, fn, batch_axes: tuple | None | bool = False):
+        """`fn` traced with the mesh and logical rules in context, so the model's activation constraints
+        apply (flax needs the mesh set, not only `with mesh`); `batch_axes` overrides the batch rule."""
+        if not self.activation_rules():
+            return fn
+        rules = self.rules if batch_axes is False else (("batch", batch_axes),) + tuple(
+            r for r in self.rules if r[0] != "batch")
+        mesh = self.mesh
+
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+                return fn(*args)
+        return traced
 
     def flat_sharding(self, shape) -> NamedSharding:
         """Outer per-fragment flat vectors (momentum, pending Δ): over data×fsdp when they divide."""
@@ -168,13 +231,13 @@ class Trainer:
         return NamedSharding(self.mesh, P(("data", "fsdp")) if ok else P())
 
     def shardings(self, state: TrainState) -> TrainState:
-        rep = lambda tree: jax.tree_util.tree_map(
-            lambda x: self.param_sharding(x.shape) if x.ndim >= 1 else self.repl_sharding, tree)
+        rep = lambda tree: jax.tree_util.tree_map_with_path(
+            lambda p, x: self.param_sharding(x.shape, self.names_at(p)) if x.ndim >= 1 else self.repl_sharding, tree)
         outer = None
         if state.outer is not None:
             flat = lambda tree: jax.tree_util.tree_map(lambda x: self.flat_sharding(x.shape), tree)
             outer = state.outer.replace(
-                params=jax.tree_util.tree_map(lambda x: self.outer_param_sharding(x.shape), state.outer.params),
+                params=self.outer_param_shardings(state.outer.params),
                 opt=flat(state.outer.opt), pending=flat(state.outer.pending))
         return TrainState(params=rep(state.params), opt=rep(state.opt), step=self.repl_sharding, outer=outer)
 
@@ -282,7 +345,8 @@ class Trainer:
                 loss_R, ce_R, g_R = grads_R(state.params, tokens_RxBxL, *poison_R)
                 p, o, ce_R, fin_R = jax.vmap(update)(state.params, state.opt, loss_R, ce_R, g_R)
             else:
-                p, o, ce_R, fin_R = jax.vmap(one)(state.params, state.opt, tokens_RxBxL, *poison_R)
+                vm = jax.vmap(one, spmd_axis_name="replica") if self.activation_rules() else jax.vmap(one)
+                p, o, ce_R, fin_R = vm(state.params, state.opt, tokens_RxBxL, *poison_R)
             # Each replica keeps its own update only if its own step was finite: a local decision,
             # so no cross-replica collective sits in the inner step (replicas are independent
             # between syncs; the loop stops or logs the skip from fin_R).
@@ -294,27 +358,28 @@ class Trainer:
             new = state.replace(params=keep(p, state.params), opt=keep(o, state.opt), step=state.step + 1)
             return self.constrain(new), ce_R, fin_R
 
-        return step
+        return self.in_rules(step)
 
     def eval_fn(self):
         if "eval" not in self._jit:
-            self._jit["eval"] = jax.jit(lambda params, toks: self.loss(params, toks)[1]["ce"])
+            spec = self.eval_batch_sharding.spec
+            self._jit["eval"] = jax.jit(self.in_rules(lambda params, toks: self.loss(params, toks)[1]["ce"],
+                                                      batch_axes=spec[0] if len(spec) else None))
         return self._jit["eval"]
 
     def dp_bytes_per_replica(self) -> int:
         return self.n_params * np.dtype(jnp.dtype(self.cfg.dp_grad_dtype)).itemsize
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple:
-    """Per-dimension PartitionSpec entries of one parameter inside a replica: its largest dimension
-    divisible by the fsdp size goes on `fsdp` (first on ties); none (replicated) when fsdp = 1 or no
-    dimension divides. The one place to swap for logical-axis rules."""
-    spec: list = [None] * len(shape)
-    if fsdp > 1:
-        dims = [k for k, d in enumerate(shape) if d % fsdp == 0]
-        if dims:
-            spec[max(dims, key=lambda k: (shape[k], -k))] = "fsdp"
-    return tuple(spec)
+def path_keys(path) -> tuple:
+    """The dict keys along a tree path (what a parameter path and AdamW's copy of it share)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path
+                 if isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey)))
+
+
+def logical_spec(names: tuple, rules: tuple) -> tuple:
+    """Mesh axes per dimension for logical `names` under flax `rules` (earlier rules win a mesh axis)."""
+    return tuple(nn.logical_to_mesh_axes(names, rules))
 
 
 def unraveler(shapes):

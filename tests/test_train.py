@@ -467,3 +467,66 @@ def test_in_step_programs_are_a_fixed_documented_set():
     assert len(kinds) + 1 == 3 * P + 1  # + the plain inner step (the trainer's)
     compiled = [tr.driver.step_program(None, p)._cache_size() for p in range(P)]  # no recompile as t advances
     assert compiled == [1] * P
+
+
+@pytest.mark.parametrize("rules, why", [
+    ("embed=model", "'model' is not a mesh axis"),
+    ("embedding=fsdp", "'embedding' is not a logical axis name"),
+    ("embed", "is not name=axis"),
+    ("embed=fsdp,embed=data", "given twice"),
+    ("batch=replica", "'replica' is not a mesh axis inside a replica"),
+])
+def test_bad_mesh_rules_is_one_line_error_naming_the_field(rules, why):
+    from diloco.config import validate
+
+    with pytest.raises(ConfigError) as e:  # load_config validates
+        validate(tiny_config("dp", batch_size=16, **{"mesh.rules": rules}), check_data=False)
+    assert e.value.field == "mesh.rules" and why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mesh_rules_layout_on_eight_devices():
+    """Default rules: fsdp 1 → every leaf whole inside a replica (P('replica'), the layout before rules);
+    fsdp 2 → each parameter's `embed` dim on fsdp (AdamW moments and θᵍ alike), the q/k norms whole;
+    a rule for another name (mlp) moves the MLP kernels' split to their mlp dim; a dim the axis does not
+    divide stays whole (the mesh axis is claimed by rule order first, flax's logical_to_mesh_axes)."""
+    script = r"""
+import jax, numpy as np, sys
+from jax.sharding import PartitionSpec as P
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+from diloco.trainer import Trainer
+def specs(tr):
+    st = tr.abstract_state()
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(st.params)[0]:
+        out["/".join(str(getattr(k, "key", k)) for k in path)] = tuple(x.sharding.spec)
+    return st, out
+tr = Trainer(tiny_config("streaming", batch_size=16), devices=jax.devices())
+st, sp = specs(tr)
+assert all(s[0] == "replica" and all(e is None for e in s[1:]) for s in sp.values()), sp
+assert all(x.sharding.is_equivalent_to(tr.rep_sharding, x.ndim) for x in jax.tree_util.tree_leaves(st.params))
+tr = Trainer(tiny_config("streaming", batch_size=16, **{"mesh.data": 2, "mesh.fsdp": 2}), devices=jax.devices())
+st, sp = specs(tr)
+emb = [k for k in sp if k.endswith("embedding")][0]
+mlp_in = [k for k in sp if "mlp" in k and "in" in k and k.endswith("kernel")][0]
+assert sp[emb] == ("replica", None, "fsdp"), sp[emb]
+assert sp[mlp_in] == ("replica", "fsdp", None), sp[mlp_in]
+qk = {k: s for k, s in sp.items() if k.split("/")[1] in ("q_norm", "k_norm")}
+assert qk and all(s == ("replica", None) for s in qk.values()), qk
+for x, y in zip(jax.tree_util.tree_leaves(st.params), jax.tree_util.tree_leaves(st.outer.params)):
+    assert tuple(x.sharding.spec)[1:] == tuple(y.sharding.spec)
+tr = Trainer(tiny_config("streaming", batch_size=16, **{"mesh.data": 2, "mesh.fsdp": 2,
+                                                         "mesh.rules": "batch=data+fsdp,mlp=fsdp,embed=fsdp"}),
+             devices=jax.devices())
+st, sp = specs(tr)
+assert sp[mlp_in] == ("replica", None, "fsdp"), sp[mlp_in]
+assert tr.logical_spec(("embed", "qkv"), (32, 7)) == ("fsdp", None)
+assert tr.logical_spec(("embed", "mlp"), (32, 7)) == (None, None)  # mlp's rule claims fsdp first; 7 does not split
+assert tr.logical_spec(("vocab", "embed"), (259, 31)) == (None, None)
+moments = [x for x in jax.tree_util.tree_leaves(st.opt) if x.ndim == 3 and x.shape[1:] == (32, 128)]
+assert moments and all(tuple(x.sharding.spec) == ("replica", None, "fsdp") for x in moments), moments
+print("ok")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
