@@ -265,7 +265,7 @@ def computation_flops(hlo: str) -> tuple[dict[str, float], dict, str | None]:
 def scheduled_overlap(hlo: str) -> dict[str, dict]:
     """For each collective of the entry computation, by the name its row has in `parse_collectives`
     (the start, the plain op, or the DCN send): async (issued and waited at different points of the
-    schedule), done (the instruction that waits), overlapped_ops / overlapped_flops / overlapped_cycles
+    schedule), done (the last instruction that waits: the received data is in hand), overlapped_ops / overlapped_flops / overlapped_cycles
     (libtpu's `estimated_cycles`) of the instructions scheduled strictly between issue and wait.
     A DCN transfer's window runs from the later of its send/recv to the earlier of their dones."""
     per, comps, entry = computation_flops(hlo)
