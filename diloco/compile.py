@@ -399,8 +399,9 @@ def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: floa
     peak = (peak_tflops or CHIP_PEAK_TFLOPS[rep["topology"].split(":")[0]]) * 1e12 * mfu
     progs = {r["program"]: r for r in rep["programs"] if r["compiled"]}
     step = progs.get("inner") or next((r for n, r in progs.items() if n.startswith("step+send")), None)
-    if step is None:
-        raise ConfigError("--programs", "the prediction needs the inner step: include 'inner' in --programs")
+    if step is None:  # nothing to time (not asked for, or did not compile): no prediction
+        return {"gbit_per_s": gbit_per_s, "mfu": mfu, "cu": None, "exchanges": [],
+                "why": "no inner step compiled (include 'inner' or 'step+send p' in --programs)"}
     t_step = step["flops"] / peak
     per_slice = rep["chips"] // rep["slices"]
     H = 1 if rep["method"] == "dp" else rep["H"]
@@ -427,6 +428,9 @@ def overlap_report(rep: dict) -> str:
                          f"{'async' if c['async'] else 'SYNC '}  under it: {c.get('overlapped_ops', 0)} ops, "
                          f"{c.get('overlapped_flops', 0.0) / 1e9:.3f} GFLOP, {c.get('overlapped_cycles', 0):,} cycles")
     for p in rep.get("predictions", []):
+        if p["cu"] is None:
+            lines.append(f"  at {p['gbit_per_s']:g} Gbit/s: no prediction: {p['why']}")
+            continue
         lines.append(f"  at {p['gbit_per_s']:g} Gbit/s (MFU {p['mfu']:g}, {p['peak_tflops']:g} TFLOP/s peak, "
                      f"step {p['step_s'] * 1e3:.2f} ms, H {p['H']}): predicted CU {100 * p['cu']:.2f}%")
     return "\n".join(["cross-slice collectives (outer exchange / DP reduction):"] + lines) if lines else ""

@@ -167,6 +167,8 @@ def test_predicted_cu_by_hand():
     assert [e["program"] for e in p["exchanges"]] == ["step+send 0"]
     assert p["exchanges"][0]["exposed_s"] == pytest.approx(2.8) and p["cu"] == pytest.approx(0.3)
     assert C.predict_cu(rep, 10.0, mfu=0.5, peak_tflops=100)["cu"] == 1.0
+    failed = dict(rep, programs=[{"program": "step+send 0", "compiled": False, "error": "RESOURCE_EXHAUSTED"}])
+    assert C.predict_cu(failed, 1.0)["cu"] is None  # the report (with the compile error) is still printed
     assert C.parse_bandwidth("1Gbit,10, 100Gbit/s") == [1.0, 10.0, 100.0]
     with pytest.raises(ConfigError, match=r"^--bandwidth: 'fast'"):
         C.parse_bandwidth("fast")
