@@ -159,6 +159,283 @@ def slice_axes(mesh) -> list[str]:
     return [a for k, a in enumerate(mesh.axis_names) if (np.diff(sl, axis=k) != 0).any()]
 
 
+# -- what the scheduled HLO runs under each collective (exchange=in_step overlap) -----------------
+# A collective is asynchronous when the scheduled entry computation issues it and waits for it at two
+# points: `X-start … X-done` inside a slice, `send/recv … send-done/recv-done` (libtpu's megascale form)
+# across slices. The compute under it is the FLOPs of the dots/convolutions scheduled in between
+# (into fusions and called computations; while bodies × their known trip count).
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def hlo_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str | None]:
+    """{computation: [(name, shape, op, rest) in text order]}, entry name. The text of a scheduled
+    module lists each computation's instructions in its schedule order."""
+    comps: dict[str, list] = {}
+    entry, cur = None, None
+    for line in hlo.splitlines():
+        if cur is None:
+            m = _COMP.match(line)
+            if m and not line.startswith(" ") and "=" not in line.split("(")[0]:
+                cur = m.group(2)
+                comps[cur] = []
+                if m.group(1):
+                    entry = cur
+            continue
+        if line.startswith("}"):
+            cur = None
+            continue
+        m = _DEF.match(line)
+        if m:
+            comps[cur].append(m.groups())
+    return comps, entry
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.search(r"\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def op_flops(shape: str, op: str, rest: str, shapes: dict[str, str]) -> float:
+    """FLOPs of one dot or convolution from its shapes (2 per multiply-add; padded and dilated
+    positions of a convolution's window are not counted, as XLA's cost analysis does); 0 otherwise."""
+    if op not in ("dot", "convolution"):
+        return 0.0
+    ops = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+    if len(ops) < 2:
+        return 0.0
+    out, lhs, rhs = _dims(shape), _dims(shapes.get(ops[0], "")), _dims(shapes.get(ops[1], ""))
+    if op == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        k = [lhs[int(i)] for i in m.group(1).split(",") if i] if m and lhs else []
+        return 2.0 * float(np.prod(out or [1])) * float(np.prod(k or [1]))
+    m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    if not m or not (out and lhs and rhs):
+        return 0.0
+    ll, rl, ol = m.groups()
+    win = re.search(r"window=\{([^}]*)\}", rest)
+    attrs = dict(re.findall(r"(\w+)=([\dx_\-]+)", win.group(1))) if win else {}
+    spatial = sorted(c for c in ol if c.isdigit())
+
+    def field(key, default, i):
+        v = attrs.get(key)
+        return default if v is None else v.split("x")[i]
+
+    macs = float(out[ol.index("b")] * out[ol.index("f")] * rhs[rl.index("i")])
+    for i, d in enumerate(spatial):
+        n_in, n_out = lhs[ll.index(d)], out[ol.index(d)]
+        k = int(field("size", "1", i))
+        stride, rdil, ldil = int(field("stride", "1", i)), int(field("rhs_dilate", "1", i)), int(field("lhs_dilate", "1", i))
+        lo = int(field("pad", "0_0", i).split("_")[0])
+        pos = np.arange(n_out)[:, None] * stride + np.arange(k)[None, :] * rdil - lo
+        macs *= float(((pos >= 0) & (pos <= (n_in - 1) * ldil) & (pos % ldil == 0)).sum())
+    return 2.0 * macs
+
+
+def computation_flops(hlo: str) -> tuple[dict[str, float], dict, str | None]:
+    """(FLOPs of each instruction of every computation, including what it calls), computations, entry."""
+    comps, entry = hlo_computations(hlo)
+    shapes = {n: s for body in comps.values() for n, s, _, _ in body}
+    memo: dict[str, float] = {}
+
+    def comp(c: str, seen=()) -> float:
+        if c not in memo:
+            memo[c] = 0.0 if c in seen else sum(inst(i, seen + (c,)) for i in comps.get(c, []))
+        return memo[c]
+
+    per: dict[str, float] = {}
+
+    def inst(i, seen) -> float:
+        name, shape, op, rest = i
+        f = op_flops(shape, op, rest, shapes)
+        for key, called in re.findall(r"\b(calls|to_apply|body|branch_computations)=\{?([%\w.\-, ]+)\}?", rest):
+            for c in re.findall(r"%?([\w.\-]+)", called):
+                sub = comp(c, seen)
+                if key == "body":
+                    n = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                    sub *= int(n.group(1)) if n else 1
+                f += sub
+        per[name] = f
+        return f
+
+    for c in comps:
+        comp(c)
+    return per, comps, entry
+
+
+def scheduled_overlap(hlo: str) -> dict[str, dict]:
+    """For each collective of the entry computation, by the name its row has in `parse_collectives`
+    (the start, the plain op, or the DCN send): async (issued and waited at different points of the
+    schedule), done (the last instruction that waits: the received data is in hand), overlapped_ops / overlapped_flops / overlapped_cycles
+    (libtpu's `estimated_cycles`) of the instructions scheduled strictly between issue and wait.
+    A DCN transfer's window runs from the later of its send/recv to the earlier of their dones."""
+    per, comps, entry = computation_flops(hlo)
+    body = comps.get(entry, [])
+    pos = {n: k for k, (n, _, _, _) in enumerate(body)}
+    first_operand = {n: (re.findall(r"%([\w.\-]+)", r.split(")", 1)[0]) or [None])[0] for n, _, _, r in body}
+    rendezvous = {n: m.group(1) for n, _, _, r in body
+                  if (m := re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', r))}
+    done_of = {first_operand[n]: n for n, _, op, _ in body if op.endswith("-done")}
+    out: dict[str, dict] = {}
+    for n, _, op, rest in body:
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if op == "send" and n in rendezvous:
+            peers = [r for r, _, o, _ in body if o == "recv" and rendezvous.get(r) == rendezvous[n]]
+            starts = [n] + peers
+        elif base in _COLLECTIVES:
+            starts = [n]
+        else:
+            continue
+        dones = [done_of[s] for s in starts if s in done_of]
+        if len(dones) < len(starts):  # synchronous: nothing runs under it
+            out[n] = {"async": False, "done": None, "overlapped_ops": 0, "overlapped_flops": 0.0,
+                      "overlapped_cycles": 0}
+            continue
+        a, b = max(pos[s] for s in starts), min(pos[d] for d in dones)
+        between = [body[k] for k in range(a + 1, b)
+                   if body[k][2] not in ("send", "recv", "send-done", "recv-done") and not body[k][2].endswith(("-start", "-done"))]
+        cyc = sum(int(m.group(1)) for _, _, _, r in between if (m := re.search(r'"estimated_cycles":"(\d+)"', r)))
+        out[n] = {"async": True, "done": max(dones, key=pos.get), "overlapped_ops": len(between),
+                  "overlapped_flops": float(sum(per.get(i[0], 0.0) for i in between)), "overlapped_cycles": cyc}
+    return out
+
+
+def annotate_overlap(rows: list[dict], hlo: str) -> list[dict]:
+    """`parse_collectives` rows with async, overlapped_flops, overlapped_ops, overlapped_cycles from the schedule."""
+    sched = scheduled_overlap(hlo)
+    for r in rows:
+        s = sched.get(r["name"])
+        if s is not None:
+            r["async"] = s["async"]
+            r["overlapped_flops"], r["overlapped_ops"], r["overlapped_cycles"] = (
+                s["overlapped_flops"], s["overlapped_ops"], s["overlapped_cycles"])
+        else:
+            r.setdefault("overlapped_flops", 0.0)
+            r.setdefault("overlapped_ops", 0)
+            r.setdefault("overlapped_cycles", 0)
+    return rows
+
+
+# -- XLA settings for overlap on TPU -------------------------------------------------------------
+# libtpu reads LIBTPU_INIT_ARGS once, when it initialises: these must be set before JAX touches the
+# TPU. The latency-hiding scheduler (default on in libtpu, made explicit) orders the program so an
+# async collective's start is issued early and its done late; the async-collective flags keep the
+# in-slice all-gathers/all-reduces/permutes asynchronous so they can sit under compute too. The
+# cross-slice (DCN) exchange is lowered to megascale send/recv + send-done/recv-done, which libtpu
+# schedules apart with or without these flags (tests/test_compile.py compiles both ways).
+TPU_OVERLAP_FLAGS = (
+    "--xla_tpu_enable_latency_hiding_scheduler=true",
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_enable_async_collective_permute=true",
+)
+
+
+def use_tpu_overlap_flags(env=None) -> list[str]:
+    """Add TPU_OVERLAP_FLAGS to LIBTPU_INIT_ARGS (a flag the user already set, by name, is kept as
+    they set it) when libtpu is installed; return the flags now in LIBTPU_INIT_ARGS. Only libtpu
+    reads that variable, so on CPU/GPU this changes nothing; call it before JAX initialises."""
+    import importlib.util
+
+    env = os.environ if env is None else env
+    if importlib.util.find_spec("libtpu") is None:
+        return env.get("LIBTPU_INIT_ARGS", "").split()
+    have = env.get("LIBTPU_INIT_ARGS", "").split()
+    names = {f.split("=")[0] for f in have}
+    added = [f for f in TPU_OVERLAP_FLAGS if f.split("=")[0] not in names]
+    env["LIBTPU_INIT_ARGS"] = " ".join(have + added)
+    return have + added
+
+
+# -- predicted compute utilisation from the compiled schedule -------------------------------------
+# Peak dense bf16 TFLOP/s per chip (Cloud TPU system architecture pages).
+CHIP_PEAK_TFLOPS = {"v4": 275.0, "v5e": 197.0, "v5p": 459.0, "v6e": 918.0}
+
+
+def parse_bandwidth(text: str) -> list[float]:
+    """'1Gbit,10,100Gbit/s' → [1.0, 10.0, 100.0] (Gbit/s)."""
+    out = []
+    for tok in str(text).split(","):
+        t = tok.strip().lower().replace("gbit/s", "").replace("gbps", "").replace("gbit", "").strip()
+        try:
+            v = float(t)
+        except ValueError:
+            raise ConfigError("--bandwidth", f"{tok.strip()!r} is not a bandwidth; use Gbit/s, e.g. 1Gbit,10,100") from None
+        if v <= 0:
+            raise ConfigError("--bandwidth", f"{tok.strip()!r} must be > 0 Gbit/s")
+        out.append(v)
+    return out
+
+
+def exchange_collectives(rep: dict) -> dict[str, list[dict]]:
+    """The collectives that cross slices, by the program they run in: the outer exchange of a
+    multislice Streaming/DiLoCo run (replicas across slices) or DP's gradient reduction. With
+    exchange=in_step the sends' own programs are skipped (the step+send programs carry them)."""
+    names = {r["program"] for r in rep["programs"] if r["compiled"]}
+    out: dict[str, list[dict]] = {}
+    for r in rep["programs"]:
+        if not r["compiled"] or (r["program"].startswith("send ") and "step+" + r["program"] in names):
+            continue
+        cs = [c for c in r["collectives"] if c["crosses_slices"]]
+        if cs and not r["program"].startswith("eval"):
+            out[r["program"]] = cs
+    return out
+
+
+def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: float | None = None) -> dict:
+    """Compute utilisation at a DCN bandwidth between the slices, from the compiled schedule.
+
+    Compute time of a program = its FLOPs per chip / (mfu × peak). A chip's cross-slice transfer of b
+    bytes puts b × (chips per slice) bytes on the link between the slices (every chip of a slice
+    sends its shard at once); a program's transfers share that link:
+        exposed = max(0, Σ bytes / bandwidth − compute under them)
+    where the compute under them is the largest overlapped_flops among its transfers (they run in
+    the same window, so their windows' compute is not added up). Per round of H inner steps,
+    Streaming runs H steps and each fragment's exchange program once; DP exposes its gradient
+    reduction every step:
+        CU = H · t_step / (H · t_step + Σ_programs exposed)"""
+    peak = (peak_tflops or CHIP_PEAK_TFLOPS[rep["topology"].split(":")[0]]) * 1e12 * mfu
+    progs = {r["program"]: r for r in rep["programs"] if r["compiled"]}
+    step = progs.get("inner") or next((r for n, r in progs.items() if n.startswith("step+send")), None)
+    if step is None:  # nothing to time (not asked for, or did not compile): no prediction
+        return {"gbit_per_s": gbit_per_s, "mfu": mfu, "cu": None, "exchanges": [],
+                "why": "no inner step compiled (include 'inner' or 'step+send p' in --programs)"}
+    t_step = step["flops"] / peak
+    per_slice = rep["chips"] // rep["slices"]
+    H = 1 if rep["method"] == "dp" else rep["H"]
+    rows, exposed_total = [], 0.0
+    for name, cs in exchange_collectives(rep).items():
+        link_bytes = sum(c["operand_bytes"] for c in cs) * per_slice
+        comm = link_bytes * 8 / (gbit_per_s * 1e9)
+        under = max(c.get("overlapped_flops", 0.0) for c in cs) / peak
+        exposed = max(0.0, comm - under)
+        exposed_total += exposed
+        rows.append({"program": name, "link_bytes": link_bytes, "comm_s": comm, "overlapped_s": under,
+                     "exposed_s": exposed})
+    cu = H * t_step / (H * t_step + exposed_total) if t_step > 0 else 0.0
+    return {"gbit_per_s": gbit_per_s, "mfu": mfu, "peak_tflops": peak / mfu / 1e12, "step_s": t_step, "H": H,
+            "cu": cu, "exchanges": rows}
+
+
+def overlap_report(rep: dict) -> str:
+    """Lines for the text report: each cross-slice collective, async or not, and the compute under it."""
+    lines = []
+    for name, cs in exchange_collectives(rep).items():
+        for c in cs:
+            lines.append(f"  {name:<12} {c['kind']:<16} {c['operand_bytes']:>14,} B/chip  "
+                         f"{'async' if c['async'] else 'SYNC '}  under it: {c.get('overlapped_ops', 0)} ops, "
+                         f"{c.get('overlapped_flops', 0.0) / 1e9:.3f} GFLOP, {c.get('overlapped_cycles', 0):,} cycles")
+    for p in rep.get("predictions", []):
+        if p["cu"] is None:
+            lines.append(f"  at {p['gbit_per_s']:g} Gbit/s: no prediction: {p['why']}")
+            continue
+        lines.append(f"  at {p['gbit_per_s']:g} Gbit/s (MFU {p['mfu']:g}, {p['peak_tflops']:g} TFLOP/s peak, "
+                     f"step {p['step_s'] * 1e3:.2f} ms, H {p['H']}): predicted CU {100 * p['cu']:.2f}%")
+    return "\n".join(["cross-slice collectives (outer exchange / DP reduction):"] + lines) if lines else ""
+
+
 # -- compiling the trainer's programs ------------------------------------------------------------
 def per_chip_bytes(tree) -> int:
     """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (the largest shard per leaf)."""
@@ -190,8 +467,10 @@ def compile_one(name: str, jitted, args, mesh) -> dict:
     peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
     mem["peak_bytes"] = max(peak, mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
                             + mem["temp_bytes"])
+    hlo = compiled.as_text()
     return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
-            "flops": float(cost.get("flops", 0.0)), "collectives": parse_collectives(compiled.as_text(), mesh)}
+            "flops": float(cost.get("flops", 0.0)),
+            "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
 def compile_trainer(cfg, devices, only: set[str] | None = None) -> dict:
@@ -214,6 +493,8 @@ def compile_trainer(cfg, devices, only: set[str] | None = None) -> dict:
         contrib = jax.ShapeDtypeStruct((tr.R,), jnp.float32, sharding=repl)
         mask = jax.ShapeDtypeStruct((tr.R,), jnp.bool_, sharding=repl)
         for p in range(tr.driver.P):
+            if tr.driver.in_step:  # the send's exchange rides on the next inner step (OuterDriver.step_program)
+                todo.append((f"step+send {p}", tr.driver.step_program(tr.inner_step(), p), (state, batch, key, contrib)))
             todo += [(f"send {p}", tr.driver.program("send", p), (state, key, contrib)),
                      (f"update {p}", tr.driver.program("update", p), (state,)),
                      (f"merge {p}", tr.driver.program("merge", p), (state, mask))]
@@ -263,6 +544,8 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None) ->
     colls = [dict(c, program=r["program"]) for r in progs for c in r.get("collectives", [])]
     return {"topology": topology, "slices": slices, "chips": len(devices), "chip_kind": devices[0].device_kind,
             "chip_hbm_bytes": hbm, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
+            "H": cfg.H, "tau": cfg.tau, "exchange": tr.driver.exchange if tr.driver is not None else "dp",
+            "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
             "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
             "fits": all(r["fits"] for r in progs), "programs": progs, "collectives": colls,
             "bytes_per_replica": ({p: tr.driver.bytes_per_replica(p) for p in range(tr.driver.P)}
@@ -300,6 +583,10 @@ def text_report(rep: dict) -> str:
         lines.append(f"{r['program']:<10} {_gb(m['argument_bytes']):>10} {_gb(m['temp_bytes']):>10} "
                      f"{_gb(m['output_bytes']):>10} {_gb(r['peak_bytes_per_chip']):>10} {'yes' if r['fits'] else 'NO':>5} "
                      f"{r['compile_seconds']:>9.1f} {r['flops'] / 1e9:>10.2f}  {cs or '-'}")
+    ov = overlap_report(rep)
+    if ov:
+        lines += ["", ov]
+    lines += ["", f"exchange {rep.get('exchange')}; LIBTPU_INIT_ARGS: {rep.get('libtpu_init_args') or '(none)'}"]
     return "\n".join(lines)
 
 
@@ -314,15 +601,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--slices", type=int, default=1, help="number of slices (multislice over DCN)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--programs", default="", help="comma-separated subset, e.g. 'inner,send 0,eval' (default: all)")
+    ap.add_argument("--bandwidth", default="", help="DCN Gbit/s between slices, e.g. 1Gbit,10,100: predict compute "
+                    "utilisation from the compute scheduled under each cross-slice collective")
+    ap.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation for compute time (default 0.6)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per chip (default: the chip's bf16 peak)")
+    ap.add_argument("--no-overlap-flags", action="store_true",
+                    help="do not add the project's overlap flags to LIBTPU_INIT_ARGS (TPU_OVERLAP_FLAGS)")
     args, overrides = ap.parse_known_args(argv)
+    if not args.no_overlap_flags:
+        use_tpu_overlap_flags()
     from diloco.config import load_config
 
     try:
         if args.slices < 1:
             raise ConfigError("--slices", f"{args.slices} must be ≥ 1")
         cfg = load_config(args.config, overrides, check_data=False)
+        bws = parse_bandwidth(args.bandwidth) if args.bandwidth else []
         rep = report(cfg, args.topology, args.slices,
                      {p.strip() for p in args.programs.split(",")} if args.programs else None)
+        rep["predictions"] = [predict_cu(rep, bw, args.mfu, args.peak_tflops) for bw in bws]
     except ConfigError as e:
         print(f"diloco compile: {e}", file=sys.stderr)
         return 2

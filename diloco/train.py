@@ -120,6 +120,9 @@ class Run:
         from diloco.rundir import RunDir
         from diloco.trainer import Trainer
 
+        from diloco.compile import use_tpu_overlap_flags
+
+        use_tpu_overlap_flags()  # LIBTPU_INIT_ARGS for overlap, before libtpu starts (no-op without libtpu)
         dist.initialize_from_env()  # multi-process (diloco launch): before any other JAX use
         self.multi = dist.num_processes() > 1
         validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))

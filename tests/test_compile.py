@@ -159,3 +159,129 @@ def test_paper_table_markdown_from_rows(tmp_path):
     assert [r["scale"] for r in back] == ["35M", "1B"] and back[1]["topology"] == "v5e:8x8"
     md = (tmp_path / "memory.md").read_text()
     assert "| 1B | DP | v5e:8x8 | 64 | replica1×data1×fsdp64 | 1,300M | 9.5 | 16.0 | 41% | yes |" in md
+
+
+# -- exchange=in_step: what the scheduled program runs under each collective (issue #15) ----------
+SCHEDULED_HLO = """
+HloModule m, is_scheduled=true
+
+%conv_fusion (p.0: f32[2,10,3], p.1: f32[3,3,5]) -> f32[2,10,5] {
+  %p.0 = f32[2,10,3]{2,1,0} parameter(0)
+  %p.1 = f32[3,3,5]{2,1,0} parameter(1)
+  ROOT %conv = f32[2,10,5]{2,1,0} convolution(%p.0, %p.1), window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f
+}
+
+ENTRY %main (a: f32[4,8], b: f32[8,16], x: f32[2,10,3], k: f32[3,3,5], g: bf16[64]) -> f32[4,16] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,16]{1,0} parameter(1)
+  %x = f32[2,10,3]{2,1,0} parameter(2)
+  %k = f32[3,3,5]{2,1,0} parameter(3)
+  %g = bf16[64]{0} parameter(4)
+  %tok = token[] after-all()
+  %ag-start = (bf16[64]{0}, bf16[128]{0}) all-gather-start(%g), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %dot.1 = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %send = (bf16[64]{0}, u32[], token[]) send(%g, %tok), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="ag_0",_xla_megascale_transfer_type="ALL_GATHER"}
+  %fusion.1 = f32[2,10,5]{2,1,0} fusion(%x, %k), kind=kOutput, calls=%conv_fusion, backend_config={"estimated_cycles":"100"}
+  %recv = (bf16[128]{0}, u32[], token[]) recv(%tok), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="ag_0",_xla_megascale_transfer_type="ALL_GATHER"}
+  %dot.2 = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, backend_config={"estimated_cycles":"7"}
+  %ag-done = bf16[128]{0} all-gather-done(%ag-start)
+  %send-done = token[] send-done(%send), channel_id=2, is_host_transfer=true
+  %dot.3 = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %recv-done = (bf16[128]{0}, token[]) recv-done(%recv), channel_id=3, is_host_transfer=true
+  %ar = f32[4,16]{1,0} all-reduce(%dot.3), channel_id=4, replica_groups={{0,1}}, to_apply=%conv_fusion
+  ROOT %out = f32[4,16]{1,0} add(%ar, %dot.1)
+}
+"""
+
+
+def test_overlap_of_hand_written_schedule():
+    """By hand: a [4,8]·[8,16] dot is 2·4·16·8 = 1024 FLOPs. The convolution (batch 2, 10 positions,
+    window 3 with pad 1, 3 → 5 features) has 10·3 − 2 = 28 valid (output, tap) pairs, so
+    2 · 2 · 5 · 3 · 28 = 1680 FLOPs (not 2·100·3·3 = 1800: the two padded taps are not work).
+    all-gather-start … done has dot.1, fusion.1, dot.2 under it: 1024 + 1680 + 1024 = 3728 FLOPs
+    (send/recv are not compute). The DCN transfer runs from its later issue (recv) to its earlier
+    done (send-done): only dot.2, 1024 FLOPs, 7 cycles; the received data is in hand at recv-done. The plain all-reduce is synchronous: 0."""
+    sched = C.scheduled_overlap(SCHEDULED_HLO)
+    assert sched["ag-start"] == {"async": True, "done": "ag-done", "overlapped_ops": 3,
+                                 "overlapped_flops": 3728.0, "overlapped_cycles": 107}
+    assert sched["send"] == {"async": True, "done": "recv-done", "overlapped_ops": 1,
+                             "overlapped_flops": 1024.0, "overlapped_cycles": 7}
+    assert sched["ar"]["async"] is False and sched["ar"]["overlapped_flops"] == 0.0
+    rows = C.annotate_overlap(C.parse_collectives(SCHEDULED_HLO), SCHEDULED_HLO)
+    assert [(r["kind"], r["async"], r["overlapped_flops"]) for r in rows] == [
+        ("all-gather", True, 3728.0), ("dcn-all-gather", True, 1024.0), ("all-reduce", False, 0.0)]
+
+
+def test_predicted_cu_by_hand():
+    """One slice pair of 4 chips each, a 6e12-FLOP step at MFU 0.5 × 100 TFLOP/s = 0.12 s, H = 10.
+    Fragment 0's step+send moves 1e8 B/chip → 4e8 B on the link = 3.2 s at 1 Gbit/s, with 2e13 FLOPs
+    (0.4 s) under it: 2.8 s exposed, CU = 1.2 / (1.2 + 2.8) = 0.3. At 10 Gbit/s 0.32 s < 0.4 s: CU 1.
+    The blocking send program is not counted when its step+send is there."""
+    dcn = {"kind": "dcn-all-gather", "crosses_slices": True, "operand_bytes": 10 ** 8, "async": True,
+           "overlapped_flops": 2e13}
+    rep = {"topology": "v5p:2x2x1", "chips": 8, "slices": 2, "method": "streaming", "H": 10, "programs": [
+        {"program": "inner", "compiled": True, "flops": 6e12, "collectives": []},
+        {"program": "step+send 0", "compiled": True, "flops": 7e12, "collectives": [dcn]},
+        {"program": "send 0", "compiled": True, "flops": 1e9, "collectives": [dict(dcn, overlapped_flops=0.0)]}]}
+    p = C.predict_cu(rep, 1.0, mfu=0.5, peak_tflops=100)
+    assert [e["program"] for e in p["exchanges"]] == ["step+send 0"]
+    assert p["exchanges"][0]["exposed_s"] == pytest.approx(2.8) and p["cu"] == pytest.approx(0.3)
+    assert C.predict_cu(rep, 10.0, mfu=0.5, peak_tflops=100)["cu"] == 1.0
+    failed = dict(rep, programs=[{"program": "step+send 0", "compiled": False, "error": "RESOURCE_EXHAUSTED"}])
+    assert C.predict_cu(failed, 1.0)["cu"] is None  # the report (with the compile error) is still printed
+    assert C.parse_bandwidth("1Gbit,10, 100Gbit/s") == [1.0, 10.0, 100.0]
+    with pytest.raises(ConfigError, match=r"^--bandwidth: 'fast'"):
+        C.parse_bandwidth("fast")
+
+
+def test_tpu_overlap_flags_keep_what_the_user_set(monkeypatch):
+    env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=false --my_flag=1"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as on a TPU VM
+    flags = C.use_tpu_overlap_flags(env)
+    assert flags[:2] == ["--xla_tpu_enable_latency_hiding_scheduler=false", "--my_flag=1"]
+    assert set(flags[2:]) == set(C.TPU_OVERLAP_FLAGS) - {"--xla_tpu_enable_latency_hiding_scheduler=true"}
+    assert env["LIBTPU_INIT_ARGS"] == " ".join(flags)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no libtpu: nothing changes
+    env2 = {}
+    assert C.use_tpu_overlap_flags(env2) == [] and env2 == {}
+
+
+def _two_slice(method: str, tau: int, programs: set[str]):
+    import sys
+    sys.path.insert(0, "tests")
+    from conftest import tiny_config
+
+    C.use_tpu_overlap_flags()
+    cfg = tiny_config(method, codec="bf16", batch_size=8, exchange="in_step", tau=tau)
+    return C.report(cfg, "v5e:2x2", 2, programs)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("tau", [1, pytest.param(5, marks=pytest.mark.slow)])
+def test_two_slice_in_step_exchange_is_async_with_the_step_under_it(tau):
+    """tiny Streaming, replicas across two v5e:2x2 slices, exchange=in_step: fragment 0's exchange
+    rides on the inner step's program; every collective crossing the slices is asynchronous
+    (megascale send/recv … send-done/recv-done) and has the step's compute scheduled under it."""
+    rep = _two_slice("streaming", tau, {"step+send 0"})
+    assert rep["exchange"] == "in_step" and rep["mesh"] == {"replica": 2, "data": 4, "fsdp": 1}
+    (prog,) = rep["programs"]
+    dcn = [c for c in prog["collectives"] if c["crosses_slices"]]
+    assert dcn and any(c["kind"] == "dcn-all-gather" and c["axes"] == ["replica"] for c in dcn)
+    assert all(c["async"] and c["overlapped_flops"] > 0 for c in dcn)
+    # the all-gathered payload is this chip's share of the counted bytes (4 chips per replica)
+    gathered = sum(c["operand_bytes"] for c in dcn if c["kind"] == "dcn-all-gather")
+    assert gathered * 4 == rep["bytes_per_replica"][0]
+    assert "--xla_tpu_enable_latency_hiding_scheduler=true" in rep["libtpu_init_args"]
+
+
+@needs_libtpu
+def test_two_slice_dp_gradient_reduction_has_nothing_under_it():
+    """DP across the same two slices, reported the same way: its gradient reduction crosses the
+    slices as an async megascale transfer, but the update needs it, so no compute is scheduled
+    under it (the contrast with the in_step exchange above)."""
+    rep = _two_slice("dp", 0, {"inner"})
+    (prog,) = rep["programs"]
+    dcn = [c for c in prog["collectives"] if c["crosses_slices"]]
+    assert [c["kind"] for c in dcn] == ["dcn-all-reduce"]
+    assert dcn[0]["overlapped_flops"] == 0.0 and dcn[0]["overlapped_ops"] == 0
+    assert prog["flops"] > 0
