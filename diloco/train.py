@@ -117,7 +117,7 @@ class Run:
         from diloco.config import to_json, validate
         from diloco.data import HostBatches, eval_batches
         from diloco.faults import Faults
-        from diloco.rundir import RunDir
+        from diloco.rundir import RunDir, is_remote, require
         from diloco.trainer import Trainer
 
         dist.initialize_from_env()  # multi-process (diloco launch): before any other JAX use
@@ -125,11 +125,12 @@ class Run:
         dist.check_processes(1 if cfg.method == "dp" else cfg.replicas)
         validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))
         self.cfg, self.dist = cfg, dist
-        self.run = RunDir(workdir, primary=dist.is_primary())
+        self.run = RunDir(require(workdir, "workdir"), primary=dist.is_primary())
         self.run.make()
         self.run.claim(to_json(cfg))
         self.timeline = None
-        if self.multi or os.environ.get("DILOCO_TIMELINE") == "1":  # steps, exchanges, waits
+        # steps, exchanges, waits: per-process files appended line by line, so only in a local run folder
+        if (self.multi or os.environ.get("DILOCO_TIMELINE") == "1") and not is_remote(self.run.root):
             from diloco.outer.overlap import Timeline
 
             self.timeline = Timeline(os.fspath(self.run / "timeline" / f"rank{jax.process_index()}.jsonl"),
@@ -407,7 +408,7 @@ def interrupt_lines(workdir):
     def saved() -> set[int]:  # complete checkpoints: orbax renames a step's folder into place
         try:
             return {int(p.name) for p in ckpt.iterdir() if p.name.isdigit()}
-        except OSError:
+        except Exception:  # no folder yet: OSError locally, the filesystem's own NotFound error on gs://
             return set()
 
     before = saved()
@@ -442,8 +443,10 @@ def main(argv: list[str]) -> int:
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
     from diloco.interrupt import prompt_exit
+    from diloco.rundir import require
 
     try:
+        require(args.workdir, "workdir")  # a gs:// folder without the filesystem installed: one line, now
         with prompt_exit(*interrupt_lines(args.workdir)):
             cfg = load_config(args.config, overrides)
             summary = train(cfg, args.workdir, progress=not args.no_progress)

@@ -32,7 +32,9 @@ def _split_fingerprint(spec: specs.Spec, vocab: str, split: str, n: int) -> str:
     from diloco.data import tasks
 
     if spec.kind == "tfds":
-        stats = [Path(spec.root, "dataset_info.json").read_text()]
+        from diloco.rundir import path as epath_of
+
+        stats = [(epath_of(spec.root) / "dataset_info.json").read_text()]
     else:
         files = spec.files if spec.kind == "jsonl" else specs.file_split(spec, split)
         stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
