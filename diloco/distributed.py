@@ -142,6 +142,30 @@ def is_primary() -> bool:
     return process_index() == 0
 
 
+def device_grid(devices: list, shape: tuple[int, int, int]):
+    """The (replica, data, fsdp) array of devices for the trainer's mesh. One slice: the devices in
+    order (process-major, so a process's devices are neighbours). Several slices (device.slice_index):
+    JAX's hybrid mesh, the slices along `replica` (ICI inside a slice, DCN only between replicas);
+    when the replicas are fewer than the slices (DP) along `data`, then `fsdp`."""
+    import numpy as np
+
+    slices = sorted({getattr(d, "slice_index", 0) or 0 for d in devices})
+    if len(slices) <= 1:
+        return np.array(devices).reshape(shape)
+    from jax.experimental import mesh_utils
+
+    from diloco.errors import ConfigError
+
+    S = len(slices)
+    axis = next((i for i in range(3) if shape[i] % S == 0), None)
+    if axis is None:
+        raise ConfigError("replicas", f"the mesh (replica, data, fsdp)={shape} has no axis divisible by the {S} "
+                          "slices; use a number of replicas divisible by the slice count")
+    dcn = tuple(S if i == axis else 1 for i in range(3))
+    ici = tuple(n // S if i == axis else n for i, n in enumerate(shape))
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
+
+
 def check_processes(replicas: int) -> None:
     """Each process holds whole replicas, or a part of exactly one (a ConfigError otherwise)."""
     from diloco.errors import ConfigError
