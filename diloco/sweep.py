@@ -403,6 +403,7 @@ def main(argv: list[str]) -> int:
             if not (args.tpu and args.zone and args.accelerator):
                 raise ConfigError("--tpu", "--launch tpu needs --tpu <name>, --zone <zone> and --accelerator <type, e.g. v5p-64>")
             by = shlex.join(["diloco", "sweep", *argv])
+            sweep = {**sweep, "points": [p for p in sweep["points"] if args.only in p["name"]]}
             text, worker = tpu_script(sweep, args.root, args.tpu, args.zone, args.accelerator, args.slices,
                                       args.project, extra, repo_url=args.repo_url, commit=args.commit,
                                       runtime=args.runtime, generated_by=by)
