@@ -68,8 +68,9 @@ def tpu_pod_env(env=None) -> bool:
         return True
     if env.get("MEGASCALE_COORDINATOR_ADDRESS"):
         return True
-    hosts = env.get("TPU_WORKER_HOSTNAMES") or env.get("TPU_PROCESS_ADDRESSES") or ""
-    return "," in hosts
+    hosts = (env.get("TPU_WORKER_HOSTNAMES") or env.get("TPU_PROCESS_ADDRESSES") or "").split(",")
+    # several hosts; libtpu writes a "WARNING: could not determine …" sentence there off a TPU VM
+    return len(hosts) > 1 and all(h.strip() and " " not in h.strip() for h in hosts)
 
 
 def initialize_from_env() -> bool:

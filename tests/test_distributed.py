@@ -231,6 +231,9 @@ def test_pod_environment_is_detected_from_the_tpu_variables():
     assert dist.tpu_pod_env({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080"})
     assert dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": "t1-w-0,t1-w-1"})
     assert not dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": "localhost"}) and not dist.tpu_pod_env({})
+    libtpu_off_a_tpu_vm = ("WARNING: could not determine TPU worker hostnames or IP addresses, please set env var "
+                           "`TPU_WORKER_HOSTNAMES` manually, otherwise libtpu.so may not properly initialize.")
+    assert not dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": libtpu_off_a_tpu_vm})
 
 
 def test_child_env_gives_each_process_its_cpu_devices():
