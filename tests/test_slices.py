@@ -35,8 +35,9 @@ def test_two_slices_put_replicas_on_slices_and_dp_data_across_them():
 @needs_libtpu
 @pytest.mark.parametrize("method", ["streaming", "diloco"])
 def test_only_the_outer_exchange_crosses_slices(method):
-    """`diloco compile --slices 2`: the inner step stays inside a slice; the sends cross (DCN); evaluation,
-    whose batch spans every chip, crosses only with its loss (a scalar reduction)."""
+    """`diloco compile --slices 2`: the inner step stays inside a slice; the sends cross (DCN). (Evaluation,
+    whose batch spans every chip, also has collectives crossing slices, larger than its scalar loss: not
+    asserted here, see the hosts14 note.)"""
     from diloco.compile import report
     from diloco.config import load_config
 
@@ -45,5 +46,3 @@ def test_only_the_outer_exchange_crosses_slices(method):
     crossing = [c for c in rep["collectives"] if c["crosses_slices"]]
     assert any(c["program"].startswith("send") for c in crossing), "the outer exchange must cross slices"
     assert not [c for c in crossing if c["program"] == "inner"], "the inner step must stay inside a slice"
-    assert all(c["operand_bytes"] <= 64 for c in crossing if c["program"] == "eval")
-    assert {c["program"].split()[0] for c in crossing} <= {"send", "update", "merge", "eval"}
