@@ -179,6 +179,10 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
                           f"{SCALES[cfg.scale].max_seq_len}; use seq_len ≤ {SCALES[cfg.scale].max_seq_len}")
     if cfg.batch_size % cfg.replicas:
         raise ConfigError("batch_size", f"global batch {cfg.batch_size} is not divisible by replicas={cfg.replicas}")
+    readers = int(cfg.get("data_readers", 0))
+    if readers < 0 or (readers and cfg.batch_size % readers):
+        raise ConfigError("data_readers", f"{readers} must be 0 (one reader per process) or a divisor of the "
+                          f"global batch {cfg.batch_size}")
     if not 0.0 <= cfg.alpha <= 1.0:
         raise ConfigError("alpha", f"{cfg.alpha} must be in [0, 1]")
     if cfg.outer.lr <= 0 or not 0 <= cfg.outer.momentum < 1:

@@ -11,6 +11,12 @@ on a multi-host TPU pod the same code path runs with the pod's own coordinator.
   DILOCO_GLOO_IFACE    network interface gloo binds to (`eth0` inside scripts/netns.sh namespaces)
   DILOCO_COMM_DEVICE   1: every process gets a second CPU device that only runs the outer
                        exchange, so it overlaps with the inner steps (docs/distributed.md says why)
+  DILOCO_CPU_DEVICES   K: CPU devices per process (`--devices_per_process K`, jax_num_cpu_devices)
+  DILOCO_DISTRIBUTED   auto: a TPU pod (set by `diloco sweep --launch tpu`); also detected from the
+                       multislice variables (MEGASCALE_COORDINATOR_ADDRESS) or TPU_WORKER_HOSTNAMES
+                       with more than one host: `jax.distributed.initialize()` with no arguments
+
+Once the job is joined, every answer (how many processes, which one is this) comes from JAX.
 
 `--netns` runs process i inside namespace `dlrep$i` made by scripts/netns.sh (throttled links).
 """
@@ -29,27 +35,72 @@ from typing import Any
 
 ENV_COORD, ENV_N, ENV_ID = "DILOCO_COORDINATOR", "DILOCO_NUM_PROCESSES", "DILOCO_PROCESS_ID"
 ENV_IFACE, ENV_COMM = "DILOCO_GLOO_IFACE", "DILOCO_COMM_DEVICE"
+ENV_CPU_DEVICES, ENV_AUTO = "DILOCO_CPU_DEVICES", "DILOCO_DISTRIBUTED"
+_joined = False  # set once jax.distributed.initialize() has run in this process
 NETNS_PREFIX, NETNS_SUBNET = "dlrep", "10.77.0."
 
 
 def num_processes() -> int:
+    """jax.process_count() once the job is joined; before that what the environment announces."""
+    if _joined:
+        import jax
+
+        return jax.process_count()
     return int(os.environ.get(ENV_N, "1"))
 
 
+def process_index() -> int:
+    if _joined:
+        import jax
+
+        return jax.process_index()
+    return int(os.environ.get(ENV_ID, "0"))
+
+
 def comm_device_enabled() -> bool:
-    return num_processes() > 1 and os.environ.get(ENV_COMM, "0") == "1"
+    return int(os.environ.get(ENV_N, "1")) > 1 and os.environ.get(ENV_COMM, "0") == "1"
+
+
+def tpu_pod_env(env=None) -> bool:
+    """A multi-host TPU job whose coordinator JAX finds by itself (no DILOCO_* placement)."""
+    env = os.environ if env is None else env
+    if env.get(ENV_AUTO, "").lower() in ("auto", "1", "tpu"):
+        return True
+    if env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return True
+    hosts = (env.get("TPU_WORKER_HOSTNAMES") or env.get("TPU_PROCESS_ADDRESSES") or "").split(",")
+    # several hosts; libtpu writes a "WARNING: could not determine …" sentence there off a TPU VM
+    return len(hosts) > 1 and all(h.strip() and " " not in h.strip() for h in hosts)
 
 
 def initialize_from_env() -> bool:
-    """Join the job described by the environment (idempotent). False when single-process."""
-    n = num_processes()
+    """Join the job described by the environment (idempotent). False when single-process.
+
+    `diloco launch` (DILOCO_* variables, CPU collectives over gloo) and a TPU pod (JAX's own cluster
+    detection) both end in `jax.distributed.initialize`; afterwards num_processes()/is_primary()
+    answer from JAX."""
+    global _joined
+    n = int(os.environ.get(ENV_N, "1"))
+    if _joined:
+        return True
     if n <= 1:
+        if os.environ.get(ENV_CPU_DEVICES):
+            import jax
+
+            jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_CPU_DEVICES]))
+        if tpu_pod_env():
+            import jax
+
+            jax.distributed.initialize()
+            _joined = True
+            return True
         return False
     import jax
     from jax._src import distributed as jdist
     from jax._src import xla_bridge
 
     if jdist.global_state.client is not None:
+        _joined = True
         return True
     iface = os.environ.get(ENV_IFACE)
     if iface:  # gloo otherwise binds to the hostname's address, unreachable from a namespace
@@ -58,7 +109,10 @@ def initialize_from_env() -> bool:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if comm_device_enabled():
         jax.config.update("jax_num_cpu_devices", 2)
+    elif os.environ.get(ENV_CPU_DEVICES):
+        jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_CPU_DEVICES]))
     jax.distributed.initialize(os.environ[ENV_COORD], n, int(os.environ[ENV_ID]))
+    _joined = True
     return True
 
 
@@ -86,11 +140,92 @@ def comm_devices() -> list | None:
 
 def is_primary() -> bool:
     """Process 0 writes the run records; the others only compute."""
-    if num_processes() <= 1:
-        return True
-    import jax
+    return process_index() == 0
 
-    return jax.process_index() == 0
+
+def device_grid(devices: list, shape: tuple[int, int, int]):
+    """The (replica, data, fsdp) array of devices for the trainer's mesh. One slice: the devices in
+    order (process-major, so a process's devices are neighbours). Several slices (device.slice_index):
+    JAX's hybrid mesh, the slices along `replica` (ICI inside a slice, DCN only between replicas);
+    when the replicas are fewer than the slices (DP) along `data`, then `fsdp`."""
+    import numpy as np
+
+    slices = sorted({getattr(d, "slice_index", 0) or 0 for d in devices})
+    if len(slices) <= 1:
+        return np.array(devices).reshape(shape)
+    from jax.experimental import mesh_utils
+
+    from diloco.errors import ConfigError
+
+    S = len(slices)
+    axis = next((i for i in range(3) if shape[i] % S == 0), None)
+    if axis is None:
+        raise ConfigError("replicas", f"the mesh (replica, data, fsdp)={shape} has no axis divisible by the {S} "
+                          "slices; use a number of replicas divisible by the slice count")
+    dcn = tuple(S if i == axis else 1 for i in range(3))
+    ici = tuple(n // S if i == axis else n for i, n in enumerate(shape))
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
+
+
+def check_processes(replicas: int) -> None:
+    """Each process holds whole replicas, or a part of exactly one (a ConfigError otherwise)."""
+    from diloco.errors import ConfigError
+
+    n = num_processes()
+    if n > 1 and replicas % n and n % replicas:
+        good = sorted({d for d in range(1, replicas + 1) if replicas % d == 0} | {replicas * 2, replicas * 4})
+        raise ConfigError("replicas", f"{n} processes do not divide replicas={replicas} (nor the other way round): "
+                          f"a process must hold whole replicas or part of one; use {good} processes or change replicas")
+
+
+def allgather(x) -> "Any":
+    """Every process's numpy value `x` (same shape everywhere), stacked on a new leading axis."""
+    import numpy as np
+
+    if num_processes() <= 1:
+        return np.asarray(x)[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
+
+
+def reader_blocks(sharding, shape: tuple[int, int, int], readers: int) -> list[int]:
+    """The blocks of the flattened (R·B, L) batch that this process's devices hold, when the batch's
+    R·B rows are cut into `readers` equal blocks; a ConfigError when a block's rows are spread over
+    processes (each block is read by exactly one process)."""
+    from diloco.errors import ConfigError
+
+    R, b, _ = shape
+    per = R * b // readers
+    owners: dict[int, set[int]] = {}
+    for d, idx in sharding.devices_indices_map(shape).items():
+        bs = range(b)[idx[1]]
+        for r in range(R)[idx[0]]:
+            for k in range((r * b + bs.start) // per, (r * b + bs.stop - 1) // per + 1):
+                owners.setdefault(k, set()).add(d.process_index)
+    shared = {k: sorted(p) for k, p in owners.items() if len(p) > 1}
+    if shared:
+        k, ps = next(iter(shared.items()))
+        raise ConfigError("data_readers", f"data_readers={readers}: the rows of reader block {k} are held by "
+                          f"processes {ps}; use a multiple of the {num_processes()} processes whose blocks "
+                          "each fall on one process's devices (the default, 0, is one reader per process)")
+    me = process_index()
+    return sorted(k for k, p in owners.items() if me in p)
+
+
+def global_batch(local, rows, sharding, shape: tuple[int, int, int]):
+    """The (R, B, L) global batch from this process's rows only: `local[i]` is flattened row `rows[i]`."""
+    import jax
+    import numpy as np
+
+    R, b, L = shape
+    pos = {int(g): i for i, g in enumerate(rows)}
+
+    def piece(idx):
+        sel = [pos[r * b + j] for r in range(R)[idx[0]] for j in range(b)[idx[1]]]
+        return np.asarray(local)[sel].reshape(len(range(R)[idx[0]]), len(range(b)[idx[1]]), L)[..., idx[2]]
+
+    return jax.make_array_from_callback(shape, sharding, piece)
 
 
 def to_host(x) -> "Any":
@@ -124,11 +259,17 @@ def global_array(x_np, sharding):
 
 
 # -- the launcher ------------------------------------------------------------------------------------
-def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: bool) -> dict[str, str]:
+def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: bool,
+              devices_per_process: int = 1) -> dict[str, str]:
     env = dict(os.environ, **{ENV_COORD: coordinator, ENV_N: str(m), ENV_ID: str(i),
                               ENV_COMM: "1" if comm_device else "0"})
+    env.pop(ENV_AUTO, None)
     if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
-        env.pop("XLA_FLAGS")  # one device per process (two with comm_device), not the fake-device mesh
+        env.pop("XLA_FLAGS")  # devices per process come from DILOCO_CPU_DEVICES, not the fake-device mesh
+    if devices_per_process > 1:
+        env[ENV_CPU_DEVICES] = str(devices_per_process)
+    else:
+        env.pop(ENV_CPU_DEVICES, None)
     if iface:
         env[ENV_IFACE] = iface
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -136,7 +277,7 @@ def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: 
 
 
 def spawn(m: int, argv: list[str], port: int, netns: bool = False, comm_device: bool = False,
-          logdir: Path | None = None) -> list[subprocess.Popen]:
+          logdir: Path | None = None, devices_per_process: int = 1) -> list[subprocess.Popen]:
     """Start M copies of `python -m diloco.cli ARGV`; rank 0 inherits stdout/stderr."""
     host = f"{NETNS_SUBNET}1" if netns else "127.0.0.1"
     logdir = Path(logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
@@ -146,7 +287,7 @@ def spawn(m: int, argv: list[str], port: int, netns: bool = False, comm_device: 
         cmd = [sys.executable, "-m", "diloco.cli", *argv]
         if netns:
             cmd = ["ip", "netns", "exec", f"{NETNS_PREFIX}{i}", *cmd]
-        env = child_env(i, m, f"{host}:{port}", "eth0" if netns else None, comm_device)
+        env = child_env(i, m, f"{host}:{port}", "eth0" if netns else None, comm_device, devices_per_process)
         out = None if i == 0 else open(logdir / f"rank{i}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
     return procs
@@ -199,14 +340,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     ap.add_argument("--netns", action="store_true", help="process i in namespace dlrep$i (scripts/netns.sh up M …)")
     ap.add_argument("--comm_device", action="store_true", help="a second CPU device per process for the exchange")
+    ap.add_argument("--devices_per_process", type=int, default=1, help="CPU devices per process (a host's chips)")
     ap.add_argument("--logdir", default=None, help="where ranks ≥ 1 write their output (default: a temp dir)")
     args = ap.parse_args(argv[:cut])
     if args.processes < 1:
         print(f"diloco launch: --processes {args.processes} must be ≥ 1", file=sys.stderr)
         return 2
+    if args.devices_per_process < 1 or (args.comm_device and args.devices_per_process != 1):
+        print(f"diloco launch: --devices_per_process {args.devices_per_process} must be ≥ 1 (and 1 with "
+              "--comm_device)", file=sys.stderr)
+        return 2
     port = args.port or (free_port() if not args.netns else 29500 + os.getpid() % 1000)
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
-    procs = spawn(args.processes, argv[cut + 1:], port, args.netns, args.comm_device, logdir)
+    procs = spawn(args.processes, argv[cut + 1:], port, args.netns, args.comm_device, logdir,
+                  args.devices_per_process)
 
     requested = []
 

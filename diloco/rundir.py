@@ -3,7 +3,7 @@
   config.json       the resolved config           summary.json     final numbers + settings
   metrics.jsonl     one row per logged step       downstream.jsonl downstream accuracy rows
   point.json        a sweep point's identity      failed.json      why a sweep point failed
-  tb/               TensorBoard scalars           timeline/        per-process event timelines
+  tb/               TensorBoard scalars (local)   timeline/        per-process event timelines (local)
   ckpt/             orbax checkpoints (diloco/checkpoint.py)
 
 All paths go through `path()`, an `etils.epath.Path` (what orbax uses), so a run folder may live on
@@ -32,6 +32,34 @@ def path(p: PathLike) -> epath.Path:
 
 def is_remote(p: PathLike) -> bool:
     return "://" in os.fspath(p)
+
+
+# scheme → Python modules of which one gives epath (and orbax, TFDS, seqio) that filesystem
+SUPPORT = {"gs": ("gcsfs", "tensorflow"), "s3": ("s3fs", "tensorflow"), "az": ("adlfs",), "hf": ("huggingface_hub",)}
+INSTALL = {"gs": "pip install gcsfs google-cloud-storage (both in the project's [tpu] extra)",
+           "s3": "pip install s3fs", "az": "pip install adlfs", "hf": "pip install huggingface_hub"}
+
+
+def filesystem_support(scheme: str) -> str | None:
+    """The installed module that serves `scheme://` paths, or None."""
+    import importlib.util
+
+    return next((m for m in SUPPORT.get(scheme, ()) if importlib.util.find_spec(m) is not None), None)
+
+
+def require(p: PathLike, field: str) -> epath.Path:
+    """path(p), or a ConfigError naming `field` when p is on a filesystem this install cannot reach."""
+    from diloco.errors import ConfigError
+
+    s = os.fspath(p)
+    if is_remote(s):
+        scheme = s.split("://", 1)[0]
+        if scheme not in SUPPORT:
+            raise ConfigError(field, f"{s}: unsupported filesystem {scheme}://; use a local path or one of "
+                              f"{', '.join(k + '://' for k in SUPPORT)}")
+        if filesystem_support(scheme) is None:
+            raise ConfigError(field, f"{s} is on {scheme}:// but no support for it is installed: {INSTALL[scheme]}")
+    return path(s)
 
 
 def atomic_write_text(p: PathLike, text: str) -> None:
@@ -176,6 +204,8 @@ class RunDir:
             atomic_write_json(self / "summary.json", summary)
 
     def _tb_log(self, row: dict) -> None:
+        if is_remote(self.root):  # TensorBoard files are appended in place: local run folders only
+            return
         if self.tb is None:
             try:
                 from tensorboardX import SummaryWriter

@@ -115,9 +115,9 @@ class Run:
         from diloco import distributed as dist
         from diloco.checkpoint import Checkpointer
         from diloco.config import to_json, validate
-        from diloco.data import TokenBatches, eval_batches
+        from diloco.data import HostBatches, eval_batches
         from diloco.faults import Faults
-        from diloco.rundir import RunDir
+        from diloco.rundir import RunDir, is_remote, require
         from diloco.trainer import Trainer
 
         from diloco.compile import use_tpu_overlap_flags
@@ -125,13 +125,15 @@ class Run:
         use_tpu_overlap_flags()  # LIBTPU_INIT_ARGS for overlap, before libtpu starts (no-op without libtpu)
         dist.initialize_from_env()  # multi-process (diloco launch): before any other JAX use
         self.multi = dist.num_processes() > 1
+        dist.check_processes(1 if cfg.method == "dp" else cfg.replicas)
         validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))
         self.cfg, self.dist = cfg, dist
-        self.run = RunDir(workdir, primary=dist.is_primary())
+        self.run = RunDir(require(workdir, "workdir"), primary=dist.is_primary())
         self.run.make()
         self.run.claim(to_json(cfg))
         self.timeline = None
-        if self.multi or os.environ.get("DILOCO_TIMELINE") == "1":  # steps, exchanges, waits
+        # steps, exchanges, waits: per-process files appended line by line, so only in a local run folder
+        if (self.multi or os.environ.get("DILOCO_TIMELINE") == "1") and not is_remote(self.run.root):
             from diloco.outer.overlap import Timeline
 
             self.timeline = Timeline(os.fspath(self.run / "timeline" / f"rank{jax.process_index()}.jsonl"),
@@ -141,8 +143,13 @@ class Run:
         self.faults = Faults(cfg, tr.R)
         self.ck = Checkpointer(self.run.ckpt, cfg.keep_checkpoints)
         got = self.ck.restore(tr.abstract_state(), quarantine=True)
-        self.data = TokenBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, split="train", seed=cfg.seed,
-                                 data_dir=cfg.data_dir or None)
+        # Each process reads only the blocks of the global batch its devices hold (diloco/data/batches.py).
+        readers = int(cfg.get("data_readers", 0)) or dist.num_processes()
+        self.batch_shape = (tr.R, cfg.batch_size // tr.R, cfg.seq_len)
+        self.data = HostBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, readers,
+                                dist.reader_blocks(tr.batch_sharding, self.batch_shape, readers) if readers > 1 else [0],
+                                split="train", seed=cfg.seed, data_dir=cfg.data_dir or None)
+        self.data_rows = self.data.rows()
         self.counters = Counters()
         losses: list[float] = []
         if got is None:
@@ -188,13 +195,13 @@ class Run:
         self.window.flush()
         if self.tr.driver is not None:
             self.state = self.tr.driver.settle(self.state, self.check)
-        self.ck.save(step, self.state, {"data": self.data.get_state(), "counters": dataclasses.asdict(self.counters),
+        data = self.data.state(np.concatenate(list(self.dist.allgather(self.data.local_positions()))))
+        self.ck.save(step, self.state, {"data": data, "counters": dataclasses.asdict(self.counters),
                                         "step": step, "pending_losses": self.window.losses})
 
     def inner_step(self, t: int) -> None:
         tr, cfg = self.tr, self.cfg
-        tokens = next(self.data)
-        tokens_RxBxL = self.dist.global_array(tokens.reshape(tr.R, -1, tokens.shape[-1]), tr.batch_sharding)
+        tokens_RxBxL = self.dist.global_batch(next(self.data), self.data_rows, tr.batch_sharding, self.batch_shape)
         active = tr.schedule.next_sender(t) if cfg.freeze_non_syncing and tr.schedule is not None else None
         t_start = time.perf_counter()
         self.state, ce_R, fin_R = tr.step(self.state, tokens_RxBxL, active, self.faults.poison(t, "loss"), self.check)
@@ -292,6 +299,7 @@ class Run:
                 if not self.ck.steps() or max(self.ck.steps()) != cfg.steps:
                     self.save(cfg.steps)
             finally:
+                self.data.close()
                 self.ck.close()
                 self.run.close()
                 if self.timeline is not None:
@@ -307,7 +315,10 @@ class Run:
         sync = tr.sync
         drained, frags = self.drained(cfg.steps)  # θᵍ as at the next sync boundary
         summary = self.run.summary()
+        tokens_read = [int(x) for x in self.dist.allgather(np.int64(self.data.tokens_read()))]
         summary.update({
+            "processes": self.dist.num_processes(), "tokens_read": tokens_read,
+            "data_readers": self.data.readers,
             "method": cfg.method, "scale": cfg.scale, "steps": cfg.steps, "tokens": cfg.steps * self.tokens_per_step,
             "final_eval_loss": self.eval_loss(drained), "final_eval_loss_undrained": self.eval_loss(),
             "drained_fragments": frags, "bytes_exchanged_total": c.bytes_exchanged,
@@ -326,7 +337,18 @@ class Run:
         if cfg.downstream.tasks:
             summary["downstream"] = self.downstream(drained, write=False)
         self.run.write_summary(summary)
+        print(self.host_line(tokens_read[self.dist.process_index()]), file=sys.stderr, flush=True)
         return summary
+
+    def host_line(self, tokens: int) -> str:
+        """This process's own line: a user sees that every host joined and read its share."""
+        import jax
+
+        devs = ",".join(str(d.id) for d in jax.local_devices())
+        return (f"diloco host {self.dist.process_index()}/{self.dist.num_processes()}: devices [{devs}] "
+                f"({jax.local_devices()[0].platform}); data blocks {self.data.blocks} of {self.data.readers}, "
+                f"shards {self.data.shards_read()[:8]}{'…' if len(self.data.shards_read()) > 8 else ''}; "
+                f"tokens read {tokens:,}")
 
 
 def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -390,7 +412,7 @@ def interrupt_lines(workdir):
     def saved() -> set[int]:  # complete checkpoints: orbax renames a step's folder into place
         try:
             return {int(p.name) for p in ckpt.iterdir() if p.name.isdigit()}
-        except OSError:
+        except Exception:  # no folder yet: OSError locally, the filesystem's own NotFound error on gs://
             return set()
 
     before = saved()
@@ -425,8 +447,10 @@ def main(argv: list[str]) -> int:
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
     from diloco.interrupt import prompt_exit
+    from diloco.rundir import require
 
     try:
+        require(args.workdir, "workdir")  # a gs:// folder without the filesystem installed: one line, now
         with prompt_exit(*interrupt_lines(args.workdir)):
             cfg = load_config(args.config, overrides)
             summary = train(cfg, args.workdir, progress=not args.no_progress)

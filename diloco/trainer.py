@@ -24,6 +24,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diloco.config import mesh_rules, mesh_shape
+from diloco.distributed import device_grid
 from diloco.data import get_vocabulary
 from diloco.model import ModelConfig, Transformer, loss_fn, param_logical_axes
 from diloco.model.scales import TOY_SCALES, formula_params
@@ -93,7 +94,7 @@ class Trainer:
         self.is_dp = cfg.method == "dp"
         self.R = 1 if self.is_dp else cfg.replicas
         devices = list(devices if devices is not None else jax.devices())
-        self.mesh = Mesh(np.array(devices).reshape(mesh_shape(cfg, len(devices))), ("replica", "data", "fsdp"))
+        self.mesh = Mesh(device_grid(devices, mesh_shape(cfg, len(devices))), ("replica", "data", "fsdp"))
         self.rep_sharding = NamedSharding(self.mesh, P("replica"))
         self.repl_sharding = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("replica", ("data", "fsdp")))

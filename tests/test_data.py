@@ -266,3 +266,58 @@ def test_bad_prefetch_names_its_field():
     with pytest.raises(ConfigError) as e:
         TokenBatches("stdlib", "byte", 64, 2, prefetch=-1)
     assert e.value.field == "prefetch"
+
+
+def test_one_reader_is_the_whole_batch():
+    """HostBatches with one reader hands out TokenBatches' own batches (a 1-process run is unchanged)."""
+    from diloco.data import HostBatches
+
+    a, b = TokenBatches("stdlib", "byte", 64, 8, seed=5), HostBatches("stdlib", "byte", 64, 8, 1, [0], seed=5)
+    assert b.rows() == list(range(8))
+    for _ in range(3):
+        assert np.array_equal(next(a), next(b))
+    a.close(), b.close()
+
+
+def test_readers_split_shards_and_rows_and_resume(monkeypatch):
+    """4 readers: each process's blocks come from its own shards (k::4) only; the blocks of two
+    'processes' put together are the readers' batches; a resume from the gathered state continues each."""
+    from diloco.data import HostBatches
+
+    n = specs.num_shards(specs.parse_data("stdlib"), "train")
+    assert n >= 4
+    loaded: dict[int, list[int]] = {}
+    p0 = HostBatches("stdlib", "byte", 512, 256, 4, [0, 1], seed=2, prefetch=0)
+    p1 = HostBatches("stdlib", "byte", 512, 256, 4, [2, 3], seed=2, prefetch=0)
+    assert p0.rows() == list(range(128)) and p1.rows() == list(range(128, 256))
+    assert p0.shards_read() == sorted(list(range(0, n, 4)) + list(range(1, n, 4)))
+    assert set(p0.shards_read()).isdisjoint(p1.shards_read())
+    for p in (p0, p1):  # the loader of each reader only ever asks for its own shards
+        for k, part in zip(p.blocks, p.parts):
+            monkeypatch.setattr(part.store, "get", (lambda get, k: lambda i, prefetch=None: (
+                loaded.setdefault(k, []).append(i), get(i, prefetch))[1])(part.store.get, k))
+    for _ in range(40):  # crosses shard boundaries
+        x0, x1 = next(p0), next(p1)
+    assert x0.shape == (128, 512) and not np.array_equal(x0[:64], x0[64:])
+    assert all(i % 4 == k for k, ids in loaded.items() for i in ids) and sorted(loaded) == [0, 1, 2, 3]
+    assert len({i for ids in loaded.values() for i in ids}) > 4  # more than one shard per reader was read
+    assert p0.tokens_read() == p1.tokens_read() == 40 * 128 * 512
+    state = json.loads(json.dumps(p0.state(np.concatenate([p0.local_positions(), p1.local_positions()]))))
+    assert [r["reader"] for r in state["readers"]] == [[k, 4] for k in range(4)]
+    want = [np.concatenate([next(p0), next(p1)]) for _ in range(3)]
+    q0 = HostBatches("stdlib", "byte", 512, 256, 4, [0, 1], seed=2, prefetch=0)
+    q1 = HostBatches("stdlib", "byte", 512, 256, 4, [2, 3], seed=2, prefetch=0)
+    q0.set_state(state), q1.set_state(state)
+    assert all(np.array_equal(w, np.concatenate([next(q0), next(q1)])) for w in want)
+    with pytest.raises(ConfigError, match="data_readers=4"):  # a checkpoint of 4 readers, resumed with 2
+        HostBatches("stdlib", "byte", 512, 256, 2, [0], seed=2, prefetch=0).set_state(state)
+
+
+def test_readers_bad_counts_name_their_field():
+    from diloco.data import HostBatches
+
+    with pytest.raises(ConfigError, match="data_readers"):
+        HostBatches("stdlib", "byte", 64, 6, 4, [0])  # 4 readers cannot split a batch of 6
+    n = specs.num_shards(specs.parse_data("stdlib"), "validation")
+    with pytest.raises(ConfigError, match="data_readers"):
+        TokenBatches("stdlib", "byte", 64, 1, split="validation", reader=(n, n + 1))

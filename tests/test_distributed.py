@@ -59,7 +59,7 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
     """Same config and seed: the 2-process job logs the numbers of the 1-process run, also when the
     exchanges run on a comm device and overlap the inner steps."""
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = [] if method == "streaming" else ["--config.replicas=2"]
+    extra = ([] if method == "streaming" else ["--config.replicas=2"]) + ["--config.data_readers=2"]  # as 2 hosts read
     r1 = _run(["train", "--config", f"experiments/toy.py:{method}", "--workdir", str(one), *TINY, *extra])
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = _run(["launch", "--processes", "2", *(["--comm_device"] if comm else []), "--logdir", str(tmp_path / "logs"),
@@ -123,6 +123,122 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_the_rerun_resumes
     assert [{k: r.get(k) for k in keys} for r in _rows(one)] == [{k: r.get(k) for k in keys} for r in _rows(two)]
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert s1["params_sha256"] == s2["params_sha256"]
+
+
+HOSTS = ["--config", "experiments/toy.py:streaming", *TINY, "--config.batch_size=8", "--config.mesh.data=2",
+         "--config.mesh.fsdp=2", "--config.checkpoint_every=2", "--config.data_readers=4"]
+
+
+def _eight_devices_in_one_process(workdir) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--workdir", str(workdir), *HOSTS],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+
+
+@pytest.mark.slow
+def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
+    """replica 2 × data 2 × fsdp 2 over 4 processes: the numbers of one process with 8 devices; each
+    process read a quarter of the tokens (its own block of every batch) and only process 0 wrote."""
+    one, four = tmp_path / "one", tmp_path / "four"
+    r1 = _eight_devices_in_one_process(one)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r4 = _run(["launch", "--processes", "4", "--devices_per_process", "2", "--logdir", str(tmp_path / "logs"), "--",
+               "train", "--workdir", str(four), *HOSTS])
+    assert r4.returncode == 0, r4.stderr[-3000:]
+    a, b = _rows(one), _rows(four)
+    assert [r["step"] for r in b] == [2, 4, 6, 8]  # one row per log step: the other processes wrote none
+    for x, y in zip(a, b):
+        for k in ("train_loss", "eval_loss"):
+            if k in x:
+                assert y[k] == pytest.approx(x[k], rel=1e-6, abs=0), (k, x["step"])
+    s1, s4 = (json.loads((d / "summary.json").read_text()) for d in (one, four))
+    assert s4["params_sha256"] == s1["params_sha256"]
+    assert s4["processes"] == 4 and s4["versions"]["devices"] == 8
+    assert s4["tokens_read"] == [8 * 2 * 32] * 4  # steps × rows of its block × seq_len, per process
+    assert s1["tokens_read"] == [8 * 8 * 32]
+    for i in range(1, 4):
+        log = (tmp_path / "logs" / f"rank{i}.log").read_text()
+        assert f"diloco host {i}/4: devices [" in log and f"data blocks [{i}] of 4" in log
+    assert "diloco host 0/4" in r4.stderr
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{rank: pid} of the launcher's children (from their DILOCO_PROCESS_ID)."""
+    out = {}
+    for c in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        env = open(f"/proc/{c}/environ", "rb").read().split(b"\0")
+        rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(dist.ENV_ID.encode() + b"=")), None)
+        if rank is not None:
+            out[rank] = int(c)
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_host_stops_the_others_and_the_rerun_resumes_bit_identically(tmp_path):
+    """SIGKILL rank 2 after the step-4 checkpoint: the launcher stops the others within 60 s (10 s
+    grace after it sees the death); the same command resumes from the shared checkpoint and ends
+    with the numbers of an uninterrupted run (one process, 8 devices)."""
+    import signal
+
+    ref, four = tmp_path / "ref", tmp_path / "four"
+    r1 = _eight_devices_in_one_process(ref)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "4", "--devices_per_process", "2",
+           "--logdir", str(tmp_path / "logs"), "--", "train", "--workdir", str(four), *HOSTS]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while p.poll() is None and time.time() < deadline and not (four / "ckpt" / "4").is_dir():
+        time.sleep(0.05)
+    assert p.poll() is None, "the run ended before it could be killed"
+    os.kill(_children(p.pid)[2], signal.SIGKILL)
+    t0 = time.time()
+    p.communicate(timeout=120)
+    assert p.returncode != 0 and time.time() - t0 < 60
+    assert not (four / "summary.json").exists()
+    r2 = _run(["launch", "--processes", "4", "--devices_per_process", "2", "--logdir", str(tmp_path / "logs2"), "--",
+               "train", "--workdir", str(four), *HOSTS])
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert f"resumed {four} at step" in r2.stderr
+    keys = ("step", "train_loss", "eval_loss", "bytes_exchanged")
+    want = [{k: r.get(k) for k in keys} for r in _rows(ref)]
+    got = [{k: r.get(k) for k in keys} for r in _rows(four)]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for x, y in zip(want, got):
+        for k in ("train_loss", "eval_loss"):
+            if x[k] is not None:
+                assert y[k] == pytest.approx(x[k], rel=1e-6, abs=0), (k, x["step"])
+    s1, s4 = (json.loads((d / "summary.json").read_text()) for d in (ref, four))
+    assert s4["params_sha256"] == s1["params_sha256"]
+    assert s4["tokens_read"] == [8 * 2 * 32] * 4  # continued from the checkpointed positions
+
+
+def test_a_process_count_that_does_not_divide_the_replicas_is_one_line(monkeypatch):
+    from diloco.errors import ConfigError
+
+    monkeypatch.setattr(dist, "num_processes", lambda: 3)
+    with pytest.raises(ConfigError, match=r"3 processes do not divide replicas=2") as e:
+        dist.check_processes(2)
+    assert e.value.field == "replicas" and "\n" not in str(e.value)
+    dist.check_processes(6)  # 3 processes, 6 replicas: two replicas each
+    monkeypatch.setattr(dist, "num_processes", lambda: 4)
+    dist.check_processes(2)  # two processes per replica
+
+
+def test_pod_environment_is_detected_from_the_tpu_variables():
+    assert dist.tpu_pod_env({"DILOCO_DISTRIBUTED": "auto"})
+    assert dist.tpu_pod_env({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080"})
+    assert dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": "t1-w-0,t1-w-1"})
+    assert not dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": "localhost"}) and not dist.tpu_pod_env({})
+    libtpu_off_a_tpu_vm = ("WARNING: could not determine TPU worker hostnames or IP addresses, please set env var "
+                           "`TPU_WORKER_HOSTNAMES` manually, otherwise libtpu.so may not properly initialize.")
+    assert not dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": libtpu_off_a_tpu_vm})
+
+
+def test_child_env_gives_each_process_its_cpu_devices():
+    env = dist.child_env(3, 4, "127.0.0.1:1", None, comm_device=False, devices_per_process=2)
+    assert env[dist.ENV_CPU_DEVICES] == "2" and env[dist.ENV_ID] == "3" and dist.ENV_AUTO not in env
 
 
 def _netns_usable() -> str | None:

@@ -4,7 +4,7 @@ data: stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<glob> | jsonl:<glob>
 vocab: byte | sentencepiece:<path>
 """
 
-from diloco.data.batches import TokenBatches, cache_dir, eval_batches
+from diloco.data.batches import HostBatches, TokenBatches, cache_dir, eval_batches
 from diloco.data.specs import corpus_info, parse_data, parse_vocab, validate_data
 
 
@@ -37,4 +37,4 @@ def get_vocabulary(spec: str = "byte") -> Vocabulary:
     return Vocabulary(spec)
 
 
-__all__ = ["TokenBatches", "cache_dir", "corpus_info", "eval_batches", "Vocabulary", "get_vocabulary", "parse_data", "parse_vocab", "validate_data"]
+__all__ = ["HostBatches", "TokenBatches", "cache_dir", "corpus_info", "eval_batches", "Vocabulary", "get_vocabulary", "parse_data", "parse_vocab", "validate_data"]

@@ -32,7 +32,9 @@ def _split_fingerprint(spec: specs.Spec, vocab: str, split: str, n: int) -> str:
     from diloco.data import tasks
 
     if spec.kind == "tfds":
-        stats = [Path(spec.root, "dataset_info.json").read_text()]
+        from diloco.rundir import path as epath_of
+
+        stats = [(epath_of(spec.root) / "dataset_info.json").read_text()]
     else:
         files = spec.files if spec.kind == "jsonl" else specs.file_split(spec, split)
         stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
@@ -112,6 +114,10 @@ class TokenBatches:
     and cuts seq_len rows; pack=False cuts every document into seq_len rows, padding the last one.
     State is a position (epoch, shard, offset) in that stream, so resuming loads one shard.
 
+    reader=(k, K) reads only the split's shards k, k+K, k+2K, … (seqio's ShardInfo(k, K) at shard
+    granularity): K readers, each on one process, together cover the split once per epoch, and no
+    shard is tokenized by two of them. (0, 1), the default, is the whole split.
+
     prefetch=k > 0 assembles up to k batches ahead on a background thread (the shard store already
     tokenizes or loads the next shard ahead on its own thread), so the training step does not wait on
     data. The batches and their order are the same for every k; get_state() describes the position
@@ -119,7 +125,8 @@ class TokenBatches:
     """
 
     def __init__(self, data: str, vocab: str, seq_len: int, batch_size: int, split: str = "train", seed: int = 0,
-                 data_dir: str | None = None, pack: bool = True, *, shuffle: bool = True, prefetch: int = 2):
+                 data_dir: str | None = None, pack: bool = True, *, shuffle: bool = True, prefetch: int = 2,
+                 reader: tuple[int, int] = (0, 1)):
         specs.validate_data(data, vocab, data_dir, seq_len, split)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError("batch_size", f"batch_size={batch_size!r} must be an int >= 1")
@@ -128,6 +135,12 @@ class TokenBatches:
         self.data, self.vocab, self.split, self.data_dir = data, vocab or "byte", split, data_dir
         self.seq_len, self.batch_size, self.seed, self.pack, self.shuffle = seq_len, batch_size, int(seed), pack, shuffle
         self.store = ShardStore(specs.parse_data(data, data_dir), self.vocab, split)
+        self.reader = (int(reader[0]), int(reader[1]))
+        self.shard_ids = list(range(self.store.n))[self.reader[0]::self.reader[1]]
+        if not self.shard_ids:
+            raise ConfigError("data_readers", f"the {split!r} split of {data!r} has {self.store.n} shard(s), fewer "
+                              f"than the {self.reader[1]} data readers (one per process by default); use fewer "
+                              "processes or set --config.data_readers to at most the shard count")
         self.epoch, self.shard, self.pos, self.batches = 0, 0, 0, 0
         self._cur: tuple | None = None  # (epoch, shard, stream, row_starts, row_lens)
         # epoch/shard/pos/batches above are the producer's cursor; _consumed is the position after the
@@ -145,10 +158,11 @@ class TokenBatches:
         return np.random.default_rng([self.seed & (2**63 - 1), *key])
 
     def _shard_id(self, epoch: int, shard: int) -> int:
-        return int(self._rng(epoch).permutation(self.store.n)[shard]) if self.shuffle else shard
+        m = len(self.shard_ids)
+        return self.shard_ids[int(self._rng(epoch).permutation(m)[shard]) if self.shuffle else shard]
 
     def _next_pos(self, epoch: int, shard: int) -> tuple[int, int]:
-        return (epoch, shard + 1) if shard + 1 < self.store.n else (epoch + 1, 0)
+        return (epoch, shard + 1) if shard + 1 < len(self.shard_ids) else (epoch + 1, 0)
 
     def _stream(self):
         if self._cur is None or self._cur[:2] != (self.epoch, self.shard):
@@ -171,7 +185,7 @@ class TokenBatches:
     def _advance_shard(self, empty_run: int) -> int:
         self.epoch, self.shard = self._next_pos(self.epoch, self.shard)
         self.pos = 0
-        if empty_run > self.store.n:
+        if empty_run > len(self.shard_ids):
             raise ConfigError("data", f"the {self.split!r} split of {self.data!r} has no documents after filtering (e.g. the ~2% hash-chosen validation split of a tiny corpus)")
         return empty_run + 1
 
@@ -251,7 +265,8 @@ class TokenBatches:
     def get_state(self) -> dict:
         """JSON-serializable position of the next batch next() will return (not the prefetcher's)."""
         epoch, shard, pos, batches = self._consumed
-        return {"version": STATE_VERSION, "data": self.data, "vocab": self.vocab, "split": self.split, "seed": self.seed,
+        extra = {} if self.reader == (0, 1) else {"reader": list(self.reader)}
+        return {**extra, "version": STATE_VERSION, "data": self.data, "vocab": self.vocab, "split": self.split, "seed": self.seed,
                 "pack": self.pack, "shuffle": self.shuffle, "seq_len": self.seq_len, "num_shards": self.store.n,
                 "epoch": epoch, "shard": shard, "pos": pos, "batches": batches}
 
@@ -260,6 +275,8 @@ class TokenBatches:
         mine = self.get_state()
         keys = ["version", "data", "vocab", "split", "seed", "pack", "shuffle", "num_shards"] + ([] if self.pack else ["seq_len"])
         bad = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
+        if list(state.get("reader", [0, 1])) != list(self.reader):
+            bad["reader"] = (state.get("reader", [0, 1]), list(self.reader))
         if bad:
             raise ConfigError("data", f"data state does not match this iterator ({', '.join(f'{k}: saved {a!r} vs now {b!r}' for k, (a, b) in bad.items())}); resume with the same data config")
         self.close()
@@ -289,6 +306,68 @@ def _produce_into(ref: "weakref.ref[TokenBatches]", q: queue.Queue, stop: thread
                     return
         if item[0] == "error":
             return
+
+
+class HostBatches:
+    """This process's rows of every global batch: the global batch (batch_size rows) is cut into
+    `readers` equal blocks, block k read by TokenBatches(reader=(k, readers)); a process reads only
+    `blocks`, the blocks its devices hold. With readers=1 the global batch is TokenBatches' own."""
+
+    def __init__(self, data: str, vocab: str, seq_len: int, batch_size: int, readers: int, blocks: list[int], **kw):
+        if not isinstance(readers, int) or readers < 1 or batch_size % readers:
+            raise ConfigError("data_readers", f"data_readers={readers} must divide the global batch {batch_size} "
+                              "(each reader supplies batch_size/data_readers rows)")
+        self.readers, self.blocks, self.rows_per = readers, list(blocks), batch_size // readers
+        self.seq_len = seq_len
+        self.parts = [TokenBatches(data, vocab, seq_len, self.rows_per, reader=(k, readers), **kw) for k in self.blocks]
+
+    def rows(self) -> list[int]:
+        """Global (flattened) row index of each local row next() returns."""
+        return [k * self.rows_per + i for k in self.blocks for i in range(self.rows_per)]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> "np.ndarray":
+        return np.concatenate([next(p) for p in self.parts]) if self.parts else np.zeros((0, self.seq_len), np.int32)
+
+    def tokens_read(self) -> int:
+        return sum(p.get_state()["batches"] for p in self.parts) * self.rows_per * self.seq_len
+
+    def shards_read(self) -> list[int]:
+        return sorted(i for p in self.parts for i in p.shard_ids)
+
+    def local_positions(self) -> np.ndarray:
+        """(len(blocks), 5) int64 rows [reader, epoch, shard, pos, batches]: what every process gathers."""
+        out = np.zeros((len(self.parts), 5), np.int64)
+        for i, (k, p) in enumerate(zip(self.blocks, self.parts)):
+            st = p.get_state()
+            out[i] = [k, st["epoch"], st["shard"], st["pos"], st["batches"]]
+        return out
+
+    def state(self, positions: np.ndarray) -> dict:
+        """The whole job's data state from every process's local_positions() (concatenated)."""
+        if self.readers == 1 and len(self.parts) == 1:
+            return self.parts[0].get_state()  # the single-reader format, as before
+        tmpl = {k: v for k, v in self.parts[0].get_state().items() if k != "reader"} if self.parts else {}
+        by_k = {int(r[0]): r for r in np.asarray(positions).reshape(-1, 5)}
+        missing = sorted(set(range(self.readers)) - set(by_k))
+        if missing:
+            raise ValueError(f"data state: no process reported reader(s) {missing}")
+        return {"readers": [{**tmpl, "reader": [k, self.readers], "epoch": int(by_k[k][1]), "shard": int(by_k[k][2]),
+                             "pos": int(by_k[k][3]), "batches": int(by_k[k][4])} for k in range(self.readers)]}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("readers") if "readers" in state else [state]
+        if len(saved) != self.readers:
+            raise ConfigError("data_readers", f"the checkpoint's data was read by {len(saved)} reader(s), this run "
+                              f"has {self.readers}; resume with --config.data_readers={len(saved)}")
+        for k, p in zip(self.blocks, self.parts):
+            p.set_state(saved[k])
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
 
 
 def eval_batches(data: str, vocab: str, seq_len: int, batch_size: int, num_batches: int, data_dir: str | None = None) -> list[np.ndarray]:

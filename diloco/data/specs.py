@@ -87,8 +87,10 @@ def _glob(field: str, pattern: str) -> tuple[str, ...]:
 
 
 def _tfds_root(name: str, path: str) -> str | None:
-    """A prepared TFDS version dir (holding dataset_info.json) for `name` at or under `path`."""
-    p = Path(os.path.expanduser(path))
+    """A prepared TFDS version dir (holding dataset_info.json) for `name` at or under `path` (local or gs://…)."""
+    from diloco.rundir import require
+
+    p = require(os.path.expanduser(path), "data_dir")
     if (p / "dataset_info.json").is_file():
         return str(p)
     if name == "c4" and (p.joinpath(*C4_DEFAULT) / "dataset_info.json").is_file():
@@ -99,7 +101,9 @@ def _tfds_root(name: str, path: str) -> str | None:
 
 def tfds_split_info(root: str) -> dict[str, list[int]]:
     """{split: shard lengths} read from dataset_info.json."""
-    info = json.loads(Path(root, "dataset_info.json").read_text())
+    from diloco.rundir import path as epath_of
+
+    info = json.loads((epath_of(root) / "dataset_info.json").read_text())
     return {s["name"]: [int(n) for n in s.get("shardLengths", [])] for s in info.get("splits", [])}
 
 
@@ -143,10 +147,12 @@ def parse_vocab(vocab: str) -> tuple[str, str]:
     if kind == "byte" and not arg:
         return "byte", ""
     if kind == "sentencepiece" and arg:
-        path = os.path.expanduser(arg)
-        if not os.path.isfile(path):
-            raise ConfigError("vocab", f"sentencepiece model {path!r} not found; give an existing .model file, e.g. 'sentencepiece:/path/to/sentencepiece.model'")
-        return "sentencepiece", os.path.abspath(path)
+        from diloco.rundir import require
+
+        p = require(os.path.expanduser(arg), "vocab")  # local or gs://… (read by seqio through tf.io.gfile)
+        if not p.is_file():
+            raise ConfigError("vocab", f"sentencepiece model {os.fspath(p)!r} not found; give an existing .model file, e.g. 'sentencepiece:/path/to/sentencepiece.model'")
+        return "sentencepiece", os.fspath(p)
     raise ConfigError("vocab", f"unknown vocab {vocab!r}; valid: {VOCABS}")
 
 
@@ -216,7 +222,9 @@ def corpus_info(data: str, data_dir: str | None = None) -> dict:
     spec = parse_data(data, data_dir)
     info: dict = {"data": data, "kind": spec.kind}
     if spec.kind == "tfds":
-        meta = json.loads(Path(spec.root, "dataset_info.json").read_text())
+        from diloco.rundir import path as epath_of
+
+        meta = json.loads((epath_of(spec.root) / "dataset_info.json").read_text())
         info |= {"tfds_dir": spec.root, "tfds_name": meta.get("name"), "tfds_config": meta.get("configName"), "tfds_version": meta.get("version"),
                  "examples": {s: sum(v) for s, v in tfds_split_info(spec.root).items()},
                  "shards": {s: len(v) for s, v in tfds_split_info(spec.root).items()}}

@@ -40,8 +40,9 @@ def vocab_fingerprint(spec: str) -> str:
     kind, path = specs.parse_vocab(spec)
     if kind == "byte":
         return "byte"
-    with open(path, "rb") as f:
-        return "sp-" + hashlib.sha256(f.read()).hexdigest()[:10]
+    from diloco.rundir import path as epath_of
+
+    return "sp-" + hashlib.sha256(epath_of(path).read_bytes()).hexdigest()[:10]
 
 
 def _read_whole_file(path):

@@ -1,0 +1,104 @@
+"""The run folder through one path type (etils.epath): a local path and a non-local filesystem.
+
+The non-local one is `gs://` served offline: fsspec's in-memory filesystem registered under the
+gs protocol, and epath told to use fsspec instead of TensorFlow (EPATH_USE_TF=false)."""
+import json
+import os
+
+import pytest
+
+from diloco import rundir
+from diloco.errors import ConfigError
+
+
+@pytest.fixture
+def fake_gcs(monkeypatch):
+    import fsspec
+    from etils.epath import gpath
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FakeGCS(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+        root_marker = ""
+        store: dict = {}
+        pseudo_dirs = [""]
+
+    for name in ("gs", "gcs"):
+        fsspec.register_implementation(name, FakeGCS, clobber=True)
+    monkeypatch.setenv("EPATH_USE_TF", "false")
+    gpath._is_tf_installed.cache_clear()
+    yield "gs://bucket/runs/x"
+    FakeGCS.store.clear()
+    gpath._is_tf_installed.cache_clear()
+    for name in ("gs", "gcs"):
+        fsspec.register_implementation(name, "gcsfs.GCSFileSystem", clobber=True, errtxt="Please install gcsfs")
+
+
+@pytest.fixture(params=["local", "gs"])
+def root(request, tmp_path):
+    return os.fspath(tmp_path / "run") if request.param == "local" else request.getfixturevalue("fake_gcs")
+
+
+def test_run_folder_records_round_trip(root):
+    run = rundir.RunDir(root)
+    assert os.fspath(run.root) == (root if "://" in root else os.path.abspath(root))
+    run.make()
+    run.claim(json.dumps({"a": 1}))
+    run.claim(json.dumps({"a": 1}))  # the same config again: a resume
+    with pytest.raises(ConfigError, match="workdir"):
+        run.claim(json.dumps({"a": 2}))
+    for step in (1, 2, 3):
+        run.log({"step": step, "loss": 1.0 / step})
+    run.resume_records(2)  # rows after the checkpoint's step go
+    assert [r["step"] for r in rundir.read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    run.write_summary({"final": 0.5})
+    assert run.summary() == {"final": 0.5}
+    names = sorted(p.name for p in run.root.iterdir() if p.name != "tb")  # TensorBoard: local folders only
+    assert names == ["config.json", "metrics.jsonl", "summary.json"]  # no temporary files left behind
+    assert (run / "config.json").read_text() == json.dumps({"a": 1})
+
+
+def test_a_non_primary_process_writes_nothing(root):
+    run = rundir.RunDir(root, primary=False)
+    run.make()
+    run.claim(json.dumps({"a": 1}))
+    run.log({"step": 1, "loss": 1.0})
+    run.write_summary({"final": 0.5})
+    assert not (run / "config.json").exists() and not (run / "metrics.jsonl").exists() and run.summary() == {}
+
+
+def test_gs_paths_stay_remote_and_local_ones_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert os.fspath(rundir.path("gs://b/runs/x")) == "gs://b/runs/x"
+    assert os.fspath(rundir.path("runs/x")) == os.fspath(tmp_path / "runs" / "x")
+    assert not (tmp_path / "gs:").exists()
+
+
+def test_gs_without_filesystem_support_names_the_field(monkeypatch):
+    monkeypatch.setattr(rundir, "filesystem_support", lambda scheme: None)
+    with pytest.raises(ConfigError) as e:
+        rundir.require("gs://b/runs/x", "workdir")
+    assert e.value.field == "workdir"
+    assert "gcsfs" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="unsupported filesystem"):
+        rundir.require("ftp://b/x", "workdir")
+    from diloco.data import specs
+
+    with pytest.raises(ConfigError, match="gcsfs") as e:
+        specs.parse_vocab("sentencepiece:gs://b/vocab.model")
+    assert e.value.field == "vocab"
+    with pytest.raises(ConfigError, match="gcsfs") as e:
+        specs.parse_data("c4", "gs://b/tfds")
+    assert e.value.field == "data_dir"
+
+
+def test_train_cli_gs_workdir_without_support_is_one_line(monkeypatch, capsys, tmp_path):
+    from diloco import train
+
+    monkeypatch.setattr(rundir, "filesystem_support", lambda scheme: None)
+    monkeypatch.chdir(tmp_path)
+    rc = train.main(["--config", os.fspath(rundir.path(__file__).parent.parent / "experiments" / "toy.py") + ":streaming",
+                     "--workdir", "gs://b/runs/x", "--no_progress", "--config.steps=2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "workdir" in err and "gcsfs" in err, err
+    assert not (tmp_path / "gs:").exists()
