@@ -258,6 +258,39 @@ def global_array(x_np, sharding):
     return jax.make_array_from_callback(x_np.shape, sharding, lambda idx: x_np[idx])
 
 
+def gather_window(window: list, mesh, stop_local: bool | None = None):
+    """([(t, ce_R, finite_R)] as host values, whether any process is stopping).
+
+    Across processes: one all-gather for the whole window, and with `stop_local` not None one
+    more for every process's stop flag."""
+    import numpy as np
+
+    if num_processes() <= 1:
+        return [(t, np.asarray(ce), np.asarray(fin)) for t, ce, fin in window], bool(stop_local)
+    rows = []
+    if window:
+        ce_W, fin_W = stack_window()([w[1] for w in window], [w[2] for w in window])
+        ce_W, fin_W = to_host(ce_W), to_host(fin_W)
+        rows = [(t, ce_W[i], fin_W[i]) for i, (t, _, _) in enumerate(window)]
+    if stop_local is None:
+        return rows, False
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = mesh.devices.size  # one slot per device; each process fills its own devices' slots
+    flags = jax.make_array_from_callback((n,), NamedSharding(mesh, P(mesh.axis_names)),
+                                         lambda idx: np.full(np.empty(n)[idx].shape, stop_local, bool))
+    return rows, bool(to_host(flags).any())
+
+
+@functools.cache
+def stack_window():
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda c, f: (jnp.stack(c), jnp.stack(f)))
+
+
 # -- the launcher ------------------------------------------------------------------------------------
 def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: bool,
               devices_per_process: int = 1) -> dict[str, str]:

@@ -94,3 +94,40 @@ def prompt_exit(on_idle: Callable[[str], str], on_busy: Callable[[str], str], on
         watcher.join(timeout=1.0)
         for fd in (w, r, err):
             os.close(fd)
+
+
+def train_lines(workdir):
+    """What to say when a signal arrives outside the loop's own handling (diloco/interrupt.py):
+    (at start-up or after training, mid-step, on a second signal), from the checkpoints on disk."""
+    from diloco.rundir import path
+
+    ckpt = path(workdir) / "ckpt"
+
+    def saved() -> set[int]:  # complete checkpoints: orbax renames a step's folder into place
+        try:
+            return {int(p.name) for p in ckpt.iterdir() if p.name.isdigit()}
+        except Exception:  # no folder yet: OSError locally, the filesystem's own NotFound error on gs://
+            return set()
+
+    before = saved()
+
+    def idle(sig: str) -> str:
+        now = saved()
+        if not now:
+            return f"diloco train: {sig} during start-up; nothing saved"
+        if now == before:
+            return (f"diloco train: {sig} during start-up; nothing new saved; the checkpoint at step {max(now)} in "
+                    f"{ckpt} is kept: run the same command to resume")
+        return (f"diloco train: {sig} after training; the checkpoint at step {max(now)} is in {ckpt}: "
+                "run the same command to write the summary")
+
+    def busy(sig: str) -> str:
+        return (f"diloco train: {sig}: finishing the current step (it may be compiling or evaluating), then "
+                f"saving a checkpoint; send {sig} again to quit without it")
+
+    def again(sig: str) -> str:
+        now = saved()
+        kept = f"the checkpoint at step {max(now)} in {ckpt} is kept" if now else "nothing saved"
+        return f"diloco train: {sig} again; quit without saving: {kept}" + (": run the same command to resume" if now else "")
+
+    return idle, busy, again

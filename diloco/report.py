@@ -403,8 +403,6 @@ def eval_noise(workdirs: list[str], batches: int = 128) -> pd.DataFrame:
     run's mean loss (sd of its per-batch losses / √n) and, for the first two runs, of their paired
     difference (what a gap between two rows carries from the eval set alone), beside the change of the
     mean itself from n to `batches` batches."""
-    import jax
-
     from diloco.data import eval_batches
     from diloco.trainer import load_run
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -83,7 +82,9 @@ class LossWindow:
     def flush(self, stop_local: bool | None = None) -> bool:
         """Fold the window in; with `stop_local` (log rows, which every process reaches at the same
         step) the processes also share whether any of them got a stop signal; True if one did."""
-        rows, any_stop = gather_window(self.rows, self.tr, stop_local)
+        from diloco.distributed import gather_window
+
+        rows, any_stop = gather_window(self.rows, self.tr.mesh, stop_local)
         for t, ce, fin in rows:
             if fin.all():
                 self.losses.append(float(ce.mean()))
@@ -369,76 +370,6 @@ def downstream_due(cfg, t: int) -> bool:
     return bool(cfg.downstream.tasks) and cfg.downstream.every > 0 and t % cfg.downstream.every == 0 and t != cfg.steps
 
 
-def gather_window(window: list, tr, stop_local: bool | None = None):
-    """([(t, ce_R, finite_R)] as host values, whether any process is stopping).
-
-    Across processes: one all-gather for the whole window, and with `stop_local` not None one
-    more for every process's stop flag."""
-    from diloco import distributed as dist
-
-    if dist.num_processes() <= 1:
-        return [(t, np.asarray(ce), np.asarray(fin)) for t, ce, fin in window], bool(stop_local)
-    rows = []
-    if window:
-        ce_W, fin_W = stack_window()([w[1] for w in window], [w[2] for w in window])
-        ce_W, fin_W = dist.to_host(ce_W), dist.to_host(fin_W)
-        rows = [(t, ce_W[i], fin_W[i]) for i, (t, _, _) in enumerate(window)]
-    if stop_local is None:
-        return rows, False
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    n = tr.mesh.devices.size  # one slot per device; each process fills its own devices' slots
-    flags = jax.make_array_from_callback((n,), NamedSharding(tr.mesh, P(("replica", "data"))),
-                                         lambda idx: np.full(np.empty(n)[idx].shape, stop_local, bool))
-    return rows, bool(dist.to_host(flags).any())
-
-
-@functools.cache
-def stack_window():
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda c, f: (jnp.stack(c), jnp.stack(f)))
-
-
-def interrupt_lines(workdir):
-    """What to say when a signal arrives outside the loop's own handling (diloco/interrupt.py):
-    (at start-up or after training, mid-step, on a second signal), from the checkpoints on disk."""
-    from diloco.rundir import path
-
-    ckpt = path(workdir) / "ckpt"
-
-    def saved() -> set[int]:  # complete checkpoints: orbax renames a step's folder into place
-        try:
-            return {int(p.name) for p in ckpt.iterdir() if p.name.isdigit()}
-        except Exception:  # no folder yet: OSError locally, the filesystem's own NotFound error on gs://
-            return set()
-
-    before = saved()
-
-    def idle(sig: str) -> str:
-        now = saved()
-        if not now:
-            return f"diloco train: {sig} during start-up; nothing saved"
-        if now == before:
-            return (f"diloco train: {sig} during start-up; nothing new saved; the checkpoint at step {max(now)} in "
-                    f"{ckpt} is kept: run the same command to resume")
-        return (f"diloco train: {sig} after training; the checkpoint at step {max(now)} is in {ckpt}: "
-                "run the same command to write the summary")
-
-    def busy(sig: str) -> str:
-        return (f"diloco train: {sig}: finishing the current step (it may be compiling or evaluating), then "
-                f"saving a checkpoint; send {sig} again to quit without it")
-
-    def again(sig: str) -> str:
-        now = saved()
-        kept = f"the checkpoint at step {max(now)} in {ckpt} is kept" if now else "nothing saved"
-        return f"diloco train: {sig} again; quit without saving: {kept}" + (": run the same command to resume" if now else "")
-
-    return idle, busy, again
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="diloco train", description="Train one run (resumes if DIR has a checkpoint).")
     ap.add_argument("--config", required=True, help="experiments/<file>.py[:arg], e.g. experiments/toy.py:streaming")
@@ -446,12 +377,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no_progress", action="store_true")
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
-    from diloco.interrupt import prompt_exit
+    from diloco.interrupt import prompt_exit, train_lines
     from diloco.rundir import require
 
     try:
         require(args.workdir, "workdir")  # a gs:// folder without the filesystem installed: one line, now
-        with prompt_exit(*interrupt_lines(args.workdir)):
+        with prompt_exit(*train_lines(args.workdir)):
             cfg = load_config(args.config, overrides)
             summary = train(cfg, args.workdir, progress=not args.no_progress)
     except ConfigError as e:

@@ -2,7 +2,6 @@
 that with M=1, outer lr 1, momentum 0 (α=0, τ=0, no codec) the DiLoCo family ends at DP's parameters."""
 import jax
 import numpy as np
-import pytest
 
 from conftest import tiny_config
 from diloco.data import TokenBatches
