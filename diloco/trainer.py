@@ -281,8 +281,14 @@ class Trainer:
 
         `active=p` trains only fragment p (the FedPart-style frozen-fragment baseline)."""
         if ("inner", active) not in self._jit:
-            self._jit[("inner", active)] = jax.jit(self.inner_step(active), donate_argnums=(0,))
+            self._jit[("inner", active)] = jax.jit(self.inner_step_py(active), donate_argnums=(0,))
         return self._jit[("inner", active)]
+
+    def inner_step_py(self, active: int | None = None):
+        """`inner_step(active)`, built once per trainer (the loop asks for it every step)."""
+        if ("inner_py", active) not in self._jit:
+            self._jit[("inner_py", active)] = self.inner_step(active)
+        return self._jit[("inner_py", active)]
 
     def step(self, state: TrainState, tokens_RxBxL, active: int | None = None, poison: tuple = (), check=None):
         """One inner step; with exchange=in_step it also carries the exchange of the send after the
@@ -290,7 +296,7 @@ class Trainer:
         fn = self.inner_step_fn(active)
         if self.driver is None:
             return fn(state, tokens_RxBxL, *poison)
-        return self.driver.inner_step(state, tokens_RxBxL, fn, self.inner_step(active), active, poison, check)
+        return self.driver.inner_step(state, tokens_RxBxL, fn, self.inner_step_py(active), active, poison, check)
 
     def inner_step(self, active: int | None = None):
         """The un-jitted inner step (for `inner_step_fn` and for compiling it into other programs)."""
