@@ -469,7 +469,7 @@ def compile_one(name: str, jitted, args, mesh) -> dict:
                             + mem["temp_bytes"])
     hlo = compiled.as_text()
     return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
-            "flops": float(cost.get("flops", 0.0)),
+            "flops": float(cost.get("flops", 0.0)),  # XLA's cost analysis: a while body (nn.scan) counted once
             "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
@@ -639,7 +639,7 @@ PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 TABLE_MFU = 0.4
 TABLE_HEADROOM = 0.10
 CSV_FIELDS = ("scale", "method", "chip", "topology", "chips", "devices", "mesh", "params", "global_batch",
-              "seq_len", "device_hbm_gib", "state_gib", "inner_peak_gib", "eval_peak_gib", "peak_gib",
+              "seq_len", "scan", "remat", "attention", "device_hbm_gib", "state_gib", "inner_peak_gib", "eval_peak_gib", "peak_gib",
               "headroom", "fits", "step_tflop", "step_seconds", "compile_seconds", "note")
 
 
@@ -657,7 +657,8 @@ def paper_config(scale: str, method: str, spm: str, seq_len: int = 2048):
 def estimate_bytes(cfg, n_params: int, devices: int) -> float:
     """A first guess of the per-device peak (to pick the slice to compile): fp32 params + AdamW moments
     per replica over its devices (+ θᵍ, outer momentum, pending for DiLoCo), bf16 activations under
-    full remat (one residual per layer, one block's working set, fp32 logits ×3)."""
+    full remat (one residual per layer, one block's working set, fp32 logits ×3); no attention scores
+    (the splash kernel on TPU keeps them in VMEM)."""
     from diloco.model.scales import SCALES
 
     s = SCALES[cfg.scale]
@@ -665,53 +666,81 @@ def estimate_bytes(cfg, n_params: int, devices: int) -> float:
     per_rep = devices // R
     state = 12 * n_params / per_rep + (12 * n_params / per_rep if R > 1 else 0)
     T = cfg.batch_size * cfg.seq_len / devices  # tokens per device
-    act = 2 * T * (s.layers * s.d_model + 6 * s.d_model + 3 * s.mlp_dim) \
-        + 4 * (T / cfg.seq_len) * s.heads * cfg.seq_len ** 2 * 2 + 12 * T * 32_128
+    act = 2 * T * (s.layers * s.d_model + 6 * s.d_model + 3 * s.mlp_dim) + 12 * T * 32_128
     return state + act
 
 
-def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None = None) -> dict:
-    """Compile inner + eval for the smallest slice of `chip` whose estimate fits with headroom (or
-    `topology`), FSDP over every device of a replica; the row of results/pod/memory.csv."""
+def model_flops_per_step(cfg, n_params: int) -> float:
+    """Model FLOPs of one training step (the MFU convention: 6 per parameter per token, plus the
+    attention scores' 12·layers·d_model·seq per token; rematerialisation is not counted)."""
+    from diloco.model.scales import SCALES
+
+    s = SCALES[cfg.scale]
+    return float(cfg.batch_size * cfg.seq_len) * (6.0 * n_params + 12.0 * s.layers * s.d_model * cfg.seq_len)
+
+
+def slice_devices(topology: str) -> int:
+    chip, shape = topology.split(":")
+    return int(np.prod([int(x) for x in shape.split("x")])) * (2 if chip == "v4" else 1)
+
+
+def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None = None, log=None) -> dict:
+    """Compile inner + eval on the smallest slice of `chip` that fits with ≥10% headroom (or on
+    `topology`), FSDP over every device of a replica; the row of results/pod/memory.csv. The rough
+    estimate (`estimate_bytes`) only skips slices that cannot fit by a wide margin (2×); the rest are
+    compiled smallest first until one fits."""
     cfg = paper_config(scale, method, spm)
+    from diloco.config import validate
     from diloco.model.scales import formula_params
 
     n = float(formula_params(scale))
     R = 1 if cfg.method == "dp" else cfg.replicas
-    if topology is None:
-        topology = SLICES[chip][-1]
-        for t in SLICES[chip]:
-            devs = int(np.prod([int(x) for x in t.split(":")[1].split("x")])) * (2 if chip == "v4" else 1)
-            fits_batch = cfg.batch_size % devs == 0 and devs % R == 0
-            if fits_batch and estimate_bytes(cfg, n, devs) <= (1 - TABLE_HEADROOM) * device_hbm(chip):
-                topology = t
-                break
+    hbm = device_hbm(chip)
+    if topology is not None:
+        todo = [topology]
+    else:
+        usable = [t for t in SLICES[chip] if cfg.batch_size % slice_devices(t) == 0 and slice_devices(t) % R == 0]
+        first = next((i for i, t in enumerate(usable)
+                      if estimate_bytes(cfg, n, slice_devices(t)) <= 2 * (1 - TABLE_HEADROOM) * hbm), len(usable) - 1)
+        todo = usable[first:]
+    tried = []
+    for topology in todo:
+        row = compile_row(cfg, scale, method, chip, topology, R, hbm, validate)
+        if row["fits"] or topology == todo[-1]:
+            break
+        tried.append(f"{topology} {row['peak_gib'] or 'did not compile'}")
+        if log:
+            log(f"  {topology}: does not fit ({row['peak_gib'] or row['note'][:80]}); next slice")
+    if tried:
+        row["note"] = ("smaller: " + ", ".join(tried) + ("; " + row["note"] if row["note"] else ""))[:300]
+    return row
+
+
+def compile_row(cfg, scale, method, chip, topology, R, hbm, validate) -> dict:
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
-    from diloco.config import validate
-
     validate(cfg, check_data=False, num_devices=len(devices))
     t0 = time.time()
     got = compile_trainer(cfg, devices, {"inner", "eval"})
     tr, progs = got["trainer"], {r["program"]: r for r in got["programs"]}
-    hbm = device_hbm(chip)
     peak = lambda p: progs[p].get("peak_bytes_per_chip") if progs[p]["compiled"] else None
     ip, ep = peak("inner"), peak("eval")
-    worst = max(x for x in (ip, ep) if x is not None) if (ip or ep) else None
     ok = ip is not None and ep is not None
-    flops = progs["inner"]["flops"] * len(devices) if progs["inner"]["compiled"] else 0.0
+    worst = max(ip, ep) if ok else None
+    flops = model_flops_per_step(cfg, tr.n_params)
     chips = len(devices) // (2 if chip == "v4" else 1)
     note = "; ".join(f"{p}: {progs[p]['error'][:120]}" for p in progs if not progs[p]["compiled"])
     return {"scale": scale, "method": method, "chip": chip, "topology": topology, "chips": chips,
             "devices": len(devices), "mesh": "×".join(f"{k}{v}" for k, v in tr.mesh.shape.items()),
             "params": tr.n_params, "global_batch": cfg.batch_size, "seq_len": cfg.seq_len,
+            "scan": tr.mcfg.scan, "remat": tr.mcfg.checkpoint_policy, "attention": tr.mcfg.attention,
             "device_hbm_gib": round(hbm / GiB, 2), "state_gib": round(got["state_bytes_per_chip"] / GiB, 3),
             "inner_peak_gib": round(ip / GiB, 3) if ip is not None else "",
             "eval_peak_gib": round(ep / GiB, 3) if ep is not None else "",
             "peak_gib": round(worst / GiB, 3) if ok else "", "headroom": round(1 - worst / hbm, 3) if ok else "",
             "fits": bool(ok and worst <= (1 - TABLE_HEADROOM) * hbm),
             "step_tflop": round(flops / 1e12, 1),
-            "step_seconds": round(flops / (chips * PEAK_FLOPS[chip] * TABLE_MFU), 3) if flops else "",
+            "step_seconds": round(flops / (chips * PEAK_FLOPS[chip] * TABLE_MFU), 3),
             "compile_seconds": round(time.time() - t0, 1), "note": note}
 
 
@@ -743,11 +772,14 @@ def write_table(rows: list[dict], out_dir: str) -> None:
     os.replace(os.path.join(out_dir, "memory.csv.tmp"), os.path.join(out_dir, "memory.csv"))
     lines = ["# Per-device memory at paper scale (`diloco compile --paper-table`)", "",
              f"Seq {rows[0]['seq_len'] if rows else 2048}, T5 32k vocabulary, the spec's global batch "
-             "(experiments/common.py BATCH, same tokens per step at seq 2048), bf16 compute, fp32 params + AdamW, "
-             "remat auto (full), mesh data=1, fsdp = every device of a replica. Compiled for the TPU topology "
-             "with libtpu on a CPU host: inner step and eval only; peak = the larger of the two per device "
-             "(eval adds the rest of the resident state). Headroom = 1 − peak / device HBM. "
-             f"Step time = FLOPs / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
+             "(experiments/common.py BATCH, same tokens per step at seq 2048), bf16 compute, fp32 params + AdamW; "
+             "every spec default left on `auto` (blocks under nn.scan, remat full, Pallas splash attention on "
+             "TPU); mesh data=1, fsdp = every device of a replica. The slice is the smallest of the chip that "
+             "compiles with ≥10% headroom (smaller slices tried and failed are in the note). Compiled for the "
+             "TPU topology with libtpu on a CPU host: inner step and eval; peak = the larger of the two per "
+             "device (eval adds the rest of the resident state). Headroom = 1 − peak / device HBM. "
+             "TFLOP/step = model FLOPs (6·params + 12·layers·d_model·seq per token); "
+             f"step time = that / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
              "v4: libtpu describes each chip as 2 devices of 16 GiB.", "",
              "| scale | method | slice | chips | mesh | params | peak GiB/dev | HBM GiB | headroom | fits ≥10% | "
              "TFLOP/step | step s | note |", "|" + "---|" * 13]
@@ -774,7 +806,7 @@ def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER
                     continue
                 t0 = time.time()
                 log(f"{scale} {method} {chip} ...")
-                row = table_row(scale, method, chip, spm)
+                row = table_row(scale, method, chip, spm, log=log)
                 log(json.dumps(row) + f"  ({time.time() - t0:.0f} s)")
                 rows.append(row)
                 write_table(rows, out_dir)

@@ -28,6 +28,7 @@ from diloco.distributed import device_grid
 from diloco.data import get_vocabulary
 from diloco.model import ModelConfig, Transformer, loss_fn, param_logical_axes
 from diloco.model.scales import TOY_SCALES, formula_params
+from diloco.model.transformer import SPLASH_BLOCK
 from diloco.outer.codecs import codec_from_config
 from diloco.outer.driver import OuterDriver
 from diloco.outer.fragments import make_fragments
@@ -61,10 +62,30 @@ def param_count_estimate(scale: str) -> float:
     return float(formula_params(scale))
 
 
+def attention_choice(cfg, platform: str = "cpu") -> str:
+    """`model.attention` with "auto" resolved for the platform the run compiles for: the Pallas splash
+    kernel on TPU when the sequence length is a multiple of its tile, else what ModelConfig picks."""
+    want = cfg.model.attention
+    if want == "auto" and platform == "tpu":
+        return "splash" if cfg.seq_len % SPLASH_BLOCK == 0 else "xla"
+    return want
+
+
+def scan_layers(cfg) -> bool:
+    """`model.scan`, with "auto" resolved: the paper's scales stack their blocks under nn.scan (one
+    compiled block: a 4B compile takes a minute, not an hour, and FSDP gathers one layer's weights at a
+    time); the toy scales keep one module per block (their committed results and hashes)."""
+    want = str(cfg.model.scan).lower()
+    if want == "auto":
+        return cfg.scale not in TOY_SCALES
+    return want in ("true", "1")
+
+
 def model_config(cfg, vocab_size: int, platform: str = "cpu") -> ModelConfig:
     return ModelConfig.from_scale(cfg.scale, vocab_size=vocab_size, dtype=cfg.model.dtype,
-                                  remat=cfg.model.remat, scan=cfg.model.scan,
-                                  remat_policy=remat_policy(cfg, platform), attention=cfg.model.attention)
+                                  remat=cfg.model.remat, scan=scan_layers(cfg),
+                                  remat_policy=remat_policy(cfg, platform),
+                                  attention=attention_choice(cfg, platform), platform=platform)
 
 
 def padded_vocab_size(n: int) -> int:

@@ -48,8 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=3e-3, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.1, b1=0.9, b2=0.99, clip_norm=1.0))
     # remat_policy: none | full | save_dots | auto (the trainer picks by scale and device: diloco/trainer.py
-    # remat_policy); attention: xla | dot_product | auto (dot_product on GPU only). remat=True is "full".
-    c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan=False, z_loss=1e-4,
+    # remat_policy); attention: xla | dot_product | splash | auto (splash on TPU, dot_product on GPU,
+    # xla on CPU). remat=True is "full". scan: true | false | auto (auto: nn.scan over blocks at the
+    # paper's scales, one module per block at the toy scales; diloco/trainer.py scan_layers).
+    c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan="auto", z_loss=1e-4,
                                              remat_policy="auto", attention="auto"))
     # replica_axis 0: auto (M if the devices allow, else 1). Inside a replica the devices are data × fsdp
     # (one of them -1: the remaining devices); fsdp > 1 shards params, AdamW moments and the outer state.

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from diloco.errors import ConfigError
 
-ATTENTION = ("xla", "dot_product", "auto")
+ATTENTION = ("xla", "dot_product", "splash", "auto")
 REMAT_POLICIES = ("none", "full", "save_dots")
 
 
@@ -40,7 +40,9 @@ class ModelConfig:
     scan: bool = False  # nn.scan over blocks: params stacked on a leading layer axis under "blocks"
     rope_base: float = 10_000.0
     remat_policy: str = "none"  # none | full (recompute every block) | save_dots (keep matmul outputs)
-    attention: str = "auto"  # xla (einsum + softmax) | dot_product (jax.nn.dot_product_attention) | auto
+    attention: str = "auto"  # xla (einsum + softmax) | dot_product (jax.nn.dot_product_attention) | splash | auto
+    platform: str = ""  # what the model is compiled for ("": JAX's default backend); splash runs its Pallas
+    #                     kernel compiled on "tpu", interpreted elsewhere (CPU tests)
 
     def __post_init__(self):
         if self.remat_policy not in REMAT_POLICIES:
@@ -109,13 +111,57 @@ def _dense(features: int, dtype, name: str, fan_in: int, axes: tuple[str, str]) 
     return nn.Dense(features, use_bias=False, dtype=dtype, kernel_init=init, name=name)
 
 
+def target_platform(cfg: ModelConfig) -> str:
+    return cfg.platform or jax.default_backend()
+
+
 def attention_impl(cfg: ModelConfig) -> str:
-    """The attention actually used. "auto": jax.nn.dot_product_attention on GPU (cuDNN's fused kernel
-    where dtype and shapes allow), the explicit einsum + softmax elsewhere (on CPU the fused call costs
-    ~15% more CPU time at toy scale, benchmarks/bench_model.py; on TPU both lower to the same XLA)."""
+    """The attention actually used. "auto": the Pallas splash kernel on TPU (no L×L scores in HBM),
+    jax.nn.dot_product_attention on GPU (cuDNN's fused kernel where dtype and shapes allow), the explicit
+    einsum + softmax elsewhere (on CPU the fused call costs ~15% more CPU time at toy scale,
+    benchmarks/bench_model.py)."""
     if cfg.attention == "auto":
-        return "dot_product" if jax.default_backend() == "gpu" else "xla"
+        return {"tpu": "splash", "gpu": "dot_product"}.get(target_platform(cfg), "xla")
     return cfg.attention
+
+
+SPLASH_BLOCK = 128  # splash tiles (query and key blocks); the sequence length must be a multiple
+
+
+def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, interpret: bool) -> jax.Array:
+    """Causal multi-head attention with the Pallas splash kernel (jax.experimental.pallas.ops.tpu):
+    scores are computed tile by tile in VMEM and never stored whole, forward or backward. The kernel
+    takes one sequence (H, L, K); it is vmapped over the batch, and when a mesh is in context
+    (`Trainer.in_rules`) wrapped in a shard_map over the mesh axes of the "batch" rule, since XLA cannot
+    partition a custom kernel itself. `interpret` runs the kernel's Python body (CPU tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, L, H, K = q_BxLxHxK.shape
+    if L % SPLASH_BLOCK:
+        raise ConfigError("model.attention", f"splash needs the sequence length ({L}) to be a multiple of "
+                          f"{SPLASH_BLOCK}; use attention=xla")
+    blk = SPLASH_BLOCK
+    sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                          block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([sm.CausalMask((L, L)) for _ in range(H)]), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=1, interpret=interpret)
+    dt = q_BxLxHxK.dtype
+
+    def heads_first(x_BxLxHxK):
+        return jnp.swapaxes(x_BxLxHxK, 1, 2)
+
+    def attend(q, k, v):
+        out_BxHxLxK = jax.vmap(kernel)(heads_first(q * jnp.asarray(K**-0.5, dt)), heads_first(k), heads_first(v))
+        return heads_first(out_BxHxLxK).astype(dt)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+    batch_axes = nn.logical_to_mesh_axes(("batch",))[0]
+    spec = jax.sharding.PartitionSpec(batch_axes)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
 
 class Block(nn.Module):
@@ -132,8 +178,11 @@ class Block(nn.Module):
         q, k = RMSNorm(name="q_norm", axis="head_dim")(q), RMSNorm(name="k_norm", axis="head_dim")(k)  # QK-norm
         q, k = apply_rope(q, sin_Lx1xK2, cos_Lx1xK2), apply_rope(k, sin_Lx1xK2, cos_Lx1xK2)
         q, k, v = (_constrain(t, ("batch", "length", "heads", "head_dim")) for t in (q, k, v))
-        if attention_impl(cfg) == "dot_product":
+        impl = attention_impl(cfg)
+        if impl == "dot_product":
             att_BxLxHxK = jax.nn.dot_product_attention(q, k, v, scale=K**-0.5, is_causal=True)
+        elif impl == "splash" and L % SPLASH_BLOCK == 0:  # (init traces 8 tokens: the same params either way)
+            att_BxLxHxK = splash_attention(q, k, v, interpret=target_platform(cfg) != "tpu")
         else:
             logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k).astype(jnp.float32) * K**-0.5
             causal_LxL = jnp.tril(jnp.ones((L, L), bool))
