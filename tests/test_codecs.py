@@ -54,19 +54,21 @@ def test_e3m0_hand_computed_bytes():
     codec = C.make_codec("e3m0", block_size=8)
     p = _encode(codec, jnp.asarray(x))
     assert p["codes"].dtype == jnp.uint8 and p["codes"].shape == (4,)
-    assert list(np.asarray(p["codes"])) == [0xE7, 0x50, 0x69, 0x04]
+    # byte i = element i (low nibble) | element i + 4 (high nibble): (7,9) (E,6) (0,4) (5,pad)
+    assert list(np.asarray(p["codes"])) == [0x97, 0x6E, 0x40, 0x05]
     np.testing.assert_array_equal(np.asarray(p["scales"]), [1.0])
     np.testing.assert_array_equal(_decode(codec, p, 7), [1.0, -0.5, 0.0, 0.25, -1 / 64, 0.5, 0.125])
 
 
 def test_e3m0_decode_hand_built_payload():
-    # byte 0x1F: low nibble 0xF = (sign 1, e 7) -> -s ; high nibble 0x1 = (sign 0, e 1) -> s/64
-    # byte 0xA0: low nibble 0x0 -> 0 ; high nibble 0xA = (sign 1, e 2) -> -s/32 (second block, s=0.5)
+    # n = 4: byte i holds element i (low nibble) and element i + 2 (high nibble); blocks of 2: s = 2, 0.5
+    # byte 0x1F: element 0 = 0xF (sign 1, e 7) -> -2 ; element 2 = 0x1 (sign 0, e 1) -> 0.5/64
+    # byte 0xA0: element 1 = 0x0 -> 0 ; element 3 = 0xA (sign 1, e 2) -> -0.5/32
     codec = C.make_codec("e3m0", block_size=2)
     payload = {"codes": jnp.array([0x1F, 0xA0], jnp.uint8), "scales": jnp.array([2.0, 0.5], jnp.float32)}
-    np.testing.assert_array_equal(_decode(codec, payload, 4), [-2.0, 2.0 / 64, 0.0, -0.5 / 32])
-    # odd n: the last high nibble is padding and ignored
-    np.testing.assert_array_equal(_decode(codec, payload, 3), [-2.0, 2.0 / 64, 0.0])
+    np.testing.assert_array_equal(_decode(codec, payload, 4), [-2.0, 0.0, 0.5 / 64, -0.5 / 32])
+    # odd n = 3 (m = 4): the same pairing; element 3 is padding and ignored
+    np.testing.assert_array_equal(_decode(codec, payload, 3), [-2.0, 0.0, 0.5 / 64])
 
 
 @pytest.mark.parametrize("r,expected", [
