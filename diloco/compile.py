@@ -262,6 +262,13 @@ def computation_flops(hlo: str) -> tuple[dict[str, float], dict, str | None]:
     return per, comps, entry
 
 
+def entry_flops(hlo: str) -> float:
+    """Dot/convolution FLOPs of the entry computation (what it calls included; loop bodies × their known
+    trip count): the denominator for the share of a program scheduled under a collective."""
+    per, comps, entry = computation_flops(hlo)
+    return float(sum(per.get(i[0], 0.0) for i in comps.get(entry, [])))
+
+
 def scheduled_overlap(hlo: str) -> dict[str, dict]:
     """For each collective of the entry computation, by the name its row has in `parse_collectives`
     (the start, the plain op, or the DCN send): async (issued and waited at different points of the
@@ -395,21 +402,28 @@ def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: floa
     the same window, so their windows' compute is not added up). Per round of H inner steps,
     Streaming runs H steps and each fragment's exchange program once; DP exposes its gradient
     reduction every step:
-        CU = H · t_step / (H · t_step + Σ_programs exposed)"""
+        CU = H · t_step / (H · t_step + Σ_programs exposed)
+    With `model_flops_per_chip` in the report (a scanned model: XLA's cost analysis counts the layer
+    loop once), t_step = model FLOPs per chip / (mfu × peak), and the compute under a transfer is the
+    share of the program's own dot/convolution FLOPs scheduled under it (`hlo_flops`, the same HLO
+    count, loop bodies × trip count) times t_step."""
     peak = (peak_tflops or CHIP_PEAK_TFLOPS[rep["topology"].split(":")[0]]) * 1e12 * mfu
     progs = {r["program"]: r for r in rep["programs"] if r["compiled"]}
     step = progs.get("inner") or next((r for n, r in progs.items() if n.startswith("step+send")), None)
     if step is None:  # nothing to time (not asked for, or did not compile): no prediction
         return {"gbit_per_s": gbit_per_s, "mfu": mfu, "cu": None, "exchanges": [],
                 "why": "no inner step compiled (include 'inner' or 'step+send p' in --programs)"}
-    t_step = step["flops"] / peak
+    model = rep.get("model_flops_per_chip")
+    t_step = (model or step["flops"]) / peak
     per_slice = rep["chips"] // rep["slices"]
     H = 1 if rep["method"] == "dp" else rep["H"]
     rows, exposed_total = [], 0.0
     for name, cs in exchange_collectives(rep).items():
         link_bytes = sum(c["operand_bytes"] for c in cs) * per_slice
         comm = link_bytes * 8 / (gbit_per_s * 1e9)
-        under = max(c.get("overlapped_flops", 0.0) for c in cs) / peak
+        under_flops = max(c.get("overlapped_flops", 0.0) for c in cs)
+        prog_flops = progs.get(name, {}).get("hlo_flops", 0.0)
+        under = (t_step * min(1.0, under_flops / prog_flops) if model and prog_flops > 0 else under_flops / peak)
         exposed = max(0.0, comm - under)
         exposed_total += exposed
         rows.append({"program": name, "link_bytes": link_bytes, "comm_s": comm, "overlapped_s": under,
@@ -470,6 +484,9 @@ def compile_one(name: str, jitted, args, mesh) -> dict:
     hlo = compiled.as_text()
     return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
             "flops": float(cost.get("flops", 0.0)),  # XLA's cost analysis: a while body (nn.scan) counted once
+            "hlo_flops": entry_flops(hlo),  # dots/convolutions from the HLO, loop bodies × trip count
+            # custom kernels in the program (tpu_custom_call: a Pallas/Mosaic kernel such as splash attention)
+            "custom_calls": sorted(set(re.findall(r'custom_call_target="([\w.\-]+)"', hlo))),
             "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
@@ -547,9 +564,13 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None) ->
             "H": cfg.H, "tau": cfg.tau, "exchange": tr.driver.exchange if tr.driver is not None else "dp",
             "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
             "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
+            "model_flops_per_chip": (model_flops_per_step(cfg, tr.n_params) / len(devices)
+                                     if tr.mcfg.scan else None),  # cost analysis undercounts a scan
             "fits": all(r["fits"] for r in progs), "programs": progs, "collectives": colls,
             "bytes_per_replica": ({p: tr.driver.bytes_per_replica(p) for p in range(tr.driver.P)}
                                   if tr.driver is not None else {}),
+            "wire_bytes_per_replica": ({p: tr.sync.wire_bytes_per_replica(p) for p in range(tr.driver.P)}
+                                       if tr.driver is not None else {}),
             # chips of a replica that split each fragment's exchange (1: every chip moves all of it)
             "exchange_shards": ({p: tr.sync.shards(tr.sync.frags.sizes[p]) for p in range(tr.driver.P)}
                                 if tr.driver is not None else {})}

@@ -285,3 +285,45 @@ def test_two_slice_dp_gradient_reduction_has_nothing_under_it():
     assert [c["kind"] for c in dcn] == ["dcn-all-reduce"]
     assert dcn[0]["overlapped_flops"] == 0.0 and dcn[0]["overlapped_ops"] == 0
     assert prog["flops"] > 0
+
+
+def test_predicted_cu_of_a_scanned_model_uses_model_flops_and_the_share_under_the_exchange():
+    """A scanned model's cost analysis counts one layer, so the report carries model FLOPs: 6e12 per
+    chip at 0.5 × 100 TFLOP/s = 0.12 s per step. Half of step+send's own HLO FLOPs (1e12 of 2e12) sit
+    under the 4e8-B transfer (3.2 s at 1 Gbit/s): 0.06 s hidden, 3.14 s exposed, H = 10:
+    CU = 1.2 / (1.2 + 3.14)."""
+    dcn = {"kind": "dcn-all-gather", "crosses_slices": True, "operand_bytes": 10 ** 8, "async": True,
+           "overlapped_flops": 1e12}
+    rep = {"topology": "v5p:2x2x1", "chips": 8, "slices": 2, "method": "streaming", "H": 10,
+           "model_flops_per_chip": 6e12, "programs": [
+               {"program": "inner", "compiled": True, "flops": 5e11, "hlo_flops": 2e12, "collectives": []},
+               {"program": "step+send 0", "compiled": True, "flops": 5e11, "hlo_flops": 2e12, "collectives": [dcn]}]}
+    p = C.predict_cu(rep, 1.0, mfu=0.5, peak_tflops=100)
+    assert p["step_s"] == pytest.approx(0.12)
+    assert p["exchanges"][0]["overlapped_s"] == pytest.approx(0.06)
+    assert p["cu"] == pytest.approx(1.2 / (1.2 + 3.14))
+
+
+@needs_libtpu
+def test_paper_35m_streaming_compiles_for_v5e_2x2_with_its_defaults(shared_dir):
+    """The 35M Streaming spec as a user runs it (every default on auto: nn.scan, remat, the splash
+    kernel, FP4 e3m0 outer gradients) on v5e:2x2 = replica 2 × fsdp 2, 4 sequences of 2048 per chip:
+    the inner step fits a v5e chip with the Pallas kernel compiled in (a Mosaic custom call), and
+    fragment 1's send gathers over `replica` only each chip's half of the encoded fragment, so the
+    bytes crossing `replica` are what `bytes_exchanged` counts, plus the zeros that round the fragment up
+    to whole 256-element blocks per chip (≤ 2 × (128 + 4) bytes)."""
+    spm = shared_dir / "data" / "vocab" / "sentencepiece_cc_all.32000.100extra-sentencepiece.model"
+    cfg = C.paper_config("35M", "Streaming", str(spm))
+    cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = 2, 1, -1
+    cfg.batch_size = 16
+    rep = C.report(cfg, "v5e:2x2", 1, {"inner", "send 1"})
+    inner, send = rep["programs"]
+    assert rep["mesh"] == {"replica": 2, "data": 1, "fsdp": 2} and inner["compiled"] and send["compiled"]
+    assert "tpu_custom_call" in inner["custom_calls"]  # splash attention, compiled for TPU
+    assert rep["state_bytes_per_chip"] < inner["peak_bytes_per_chip"] < 0.9 * 16 * C.GiB
+    assert rep["exchange_shards"][1] == 2
+    gathers = [c for c in send["collectives"] if c["axes"] == ["replica"]]
+    assert gathers and all(c["kind"] == "all-gather" and c["group_size"] == 2 for c in gathers)
+    wire = sum(c["operand_bytes"] for c in gathers) * 2
+    assert wire == rep["wire_bytes_per_replica"][1]
+    assert 0 < wire - rep["bytes_per_replica"][1] <= 2 * (128 + 4)  # fragment 1 does not divide: padded

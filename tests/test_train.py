@@ -366,8 +366,9 @@ print("ok", ce_a[-2:], ce_b[-2:], sent_a)
 def test_split_exchange_on_eight_devices_is_the_unsplit_exchange():
     """On replica 2 × data 2 × fsdp 2 each chip encodes and gathers over `replica` only its slice of the
     fragment (4 slices of whole codec blocks): the average is bit-identical to the mesh-less exchange,
-    for none, bf16 and e3m0 (nearest rounding); a length that does not split into whole blocks falls
-    back to gathering the whole payload, with the same result."""
+    for none, bf16 and e3m0 (nearest rounding); a length that does not split into whole blocks is padded
+    with zeros to 4 whole-block slices (e3m0: 4 × 256), with the same result; stochastic rounding (its
+    draws span the whole vector) gathers the whole payload."""
     script = r"""
 import functools, jax, jax.numpy as jnp, numpy as np, sys
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -375,18 +376,20 @@ from diloco.outer import codecs
 from diloco.outer.sync import OuterSync
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("replica", "data", "fsdp"))
 rng = np.random.default_rng(0)
-for name, n, want in (("none", 4 * 300, 4), ("bf16", 4 * 300, 4), ("e3m0", 4 * 512 * 3, 4), ("e3m0", 4 * 512 * 3 + 2, 1)):
-    codec = codecs.make_codec(name, 256)
+for name, n, want, pad in (("none", 4 * 300, 4, 4 * 300), ("bf16", 4 * 300 + 3, 4, 4 * 301),
+                           ("e3m0", 4 * 512 * 3, 4, 4 * 512 * 3), ("e3m0", 4 * 512 * 3 + 2, 4, 4 * 512 * 3 + 4 * 256),
+                           ("e3m0-stochastic", 4 * 512, 1, 4 * 512)):
+    codec = codecs.make_codec(name.split("-")[0], 256, rounding="stochastic" if "-" in name else "nearest")
     x = rng.standard_normal((2, n)).astype(np.float32) * np.logspace(-3, 1, n, dtype=np.float32)
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     w = jnp.asarray([1.0, 1.0], jnp.float32)
     ref = OuterSync(None, codec, None, 0.0, None).exchange(jnp.asarray(x), keys, w)
     sync = OuterSync(None, codec, None, 0.0, mesh)
-    assert sync.shards(n) == want, (name, n, sync.shards(n))
+    assert sync.shards(n) == want and sync.padded(n) == pad, (name, n, sync.shards(n), sync.padded(n))
     xs = jax.device_put(x, NamedSharding(mesh, P("replica")))
     got = jax.jit(sync.exchange)(xs, jax.device_put(keys, NamedSharding(mesh, P("replica"))), w)
     assert np.array_equal(np.asarray(got), np.asarray(ref)), (name, n, np.abs(np.asarray(got) - np.asarray(ref)).max())
-    if want > 1:
+    if want > 1 and pad == n:
         assert got.addressable_shards[0].data.size * want == n  # the average stays split over the chips
 print("ok")
 """

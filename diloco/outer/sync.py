@@ -58,7 +58,15 @@ class OuterSync:
                           pending=tuple(jnp.zeros_like(v) for v in vecs))
 
     def bytes_per_replica(self, p: int) -> int:
+        """Bytes one replica sends for fragment p, as counted in `bytes_exchanged`: the encoding of its
+        n_p elements, the same on every chip layout."""
         return codecs.encoded_nbytes(self.codec, self.frags.sizes[p])
+
+    def wire_bytes_per_replica(self, p: int) -> int:
+        """Bytes that really cross `replica` per replica for fragment p: the encoding at the padded length
+        when the chips of a replica split it (`padded`: at most chips × (block/2 + 4) bytes more for e3m0,
+        zeros), else the counted bytes."""
+        return codecs.encoded_nbytes(self.codec, self.padded(self.frags.sizes[p]))
 
     # -- send ------------------------------------------------------------------------------------
     def delta(self, params_R, outer: OuterState, p: int) -> jax.Array:
@@ -77,19 +85,35 @@ class OuterSync:
         keys_R = jax.random.split(key, delta_Rxn.shape[0])
         return self.with_pending(outer, p, self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32)))
 
-    def shards(self, n: int) -> int:
-        """Chips of one replica that split fragment vectors of length n for the exchange: each encodes
-        and gathers over `replica` only its own slice, so the bytes crossing `replica` are the bytes
-        counted. 1 (every chip of a replica moves the whole payload) unless the slices are whole codec
-        blocks (so the encoding is the unsharded one's, byte for byte) and rounding is deterministic."""
+    def split_unit(self) -> int:
+        """Elements of one chip's slice must be a multiple of this for its encoding to be the unsharded
+        one's byte for byte (whole codec blocks; two nibbles per byte); 0: the codec cannot be split
+        (sparsifiers, stochastic rounding: their draws depend on the whole vector) or nothing to split."""
         if self.mesh is None or self.mesh.shape["replica"] == 1:
-            return 1
+            return 0
         k = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         c = self.codec
         if k == 1 or c.name in codecs.SPARSE_NAMES or (c.rounding == "stochastic" and c.name != "none"):
+            return 0
+        return {"none": 1, "bf16": 1, "e3m0": int(np.lcm(c.block_size, 2))}.get(c.name, c.block_size)
+
+    def padded(self, n: int) -> int:
+        """Length at which a fragment of n elements is exchanged: n, or (when the chips of a replica split
+        it) n rounded up to chips × split_unit, zeros appended, so every chip's slice is whole blocks."""
+        unit = self.split_unit()
+        if not unit:
+            return n
+        k = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        return -(-n // (k * unit)) * (k * unit)
+
+    def shards(self, n: int) -> int:
+        """Chips of one replica that split a fragment of length n for the exchange: each encodes and
+        gathers over `replica` only its own slice of the (padded) fragment, so the bytes crossing
+        `replica` are the bytes counted. 1 (every chip moves the whole payload) for codecs that cannot be
+        split (`split_unit`)."""
+        if not self.split_unit():
             return 1
-        unit = {"none": 1, "bf16": 1, "e3m0": int(np.lcm(c.block_size, 2))}.get(c.name, c.block_size)
-        return k if n % (k * unit) == 0 else 1
+        return self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
 
     def exchange(self, delta_Rxn, keys_R, w_R):
         """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,)."""
@@ -115,11 +139,14 @@ class OuterSync:
             return local(delta_Rxn, keys_R, w_R, _identity)
         gather = functools.partial(jax.lax.all_gather, axis_name="replica", tiled=True)
         inner = tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)
-        split = self.shards(delta_Rxn.shape[1]) > 1
+        n = delta_Rxn.shape[1]
+        split = self.shards(n) > 1
+        if split and self.padded(n) > n:  # zeros to whole blocks per chip; their (zero) blocks decode to 0
+            delta_Rxn = jnp.pad(delta_Rxn, ((0, 0), (0, self.padded(n) - n)))
         fn = jax.shard_map(functools.partial(local, gather=gather), mesh=self.mesh,
                            in_specs=(P("replica", inner if split else None), P("replica"), P("replica")),
                            out_specs=P(inner) if split else P(), check_vma=False)
-        return fn(delta_Rxn, keys_R, w_R)
+        return fn(delta_Rxn, keys_R, w_R)[:n]
 
     # -- update and merge --------------------------------------------------------------------------
     def update(self, outer: OuterState, p: int) -> OuterState:
