@@ -320,13 +320,23 @@ def mesh_rules(cfg) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
 
 def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
     """(replica, data, fsdp) axis sizes for n_dev devices. mesh.data / mesh.fsdp: a size, or -1 for the
-    devices of a replica left over by the other (default data=-1, fsdp=1: every device on data)."""
+    devices of a replica left over by the other; mesh.fsdp = 0 is "auto" (the default): 1 at the toy scales
+    (every device on data), and at the paper's scales FSDP over every device of a replica (data 1 unless
+    given), so the parameters and optimizer state of a large model are split over its chips."""
+    from diloco.model.scales import TOY_SCALES
+
     r_axis = replica_axis_size(cfg, n_dev)
     per = n_dev // r_axis
     data, fsdp = int(cfg.mesh.get("data", -1)), int(cfg.mesh.get("fsdp", 1))
+    if fsdp == 0:  # auto
+        if cfg.scale in TOY_SCALES:
+            fsdp = 1
+        else:
+            data, fsdp = (1 if data == -1 else data), -1
     for field, v in (("mesh.data", data), ("mesh.fsdp", fsdp)):
         if v == 0 or v < -1:
-            raise ConfigError(field, f"{v} must be ≥ 1, or -1 for the remaining devices")
+            raise ConfigError(field, f"{v} must be ≥ 1, or -1 for the remaining devices" +
+                              (", or 0 (auto)" if field == "mesh.fsdp" else ""))
         if v > 0 and per % v:
             raise ConfigError(field, f"{v} does not divide the {per} devices of one replica ({n_dev} devices / "
                               f"replica axis {r_axis}); use a divisor of {per}")

@@ -421,6 +421,19 @@ def test_mesh_defaults_keep_every_device_on_data():
     assert mesh_shape(tiny_config("streaming", batch_size=16, **{"mesh.fsdp": -1, "mesh.data": 2}), 8) == (2, 2, 2)
 
 
+@pytest.mark.parametrize("scale,over,want", [
+    ("tiny", {}, (2, 4, 1)),                        # toy scales: every device of a replica on data
+    ("35M", {}, (2, 1, 4)),                         # paper scales: FSDP over every device of a replica
+    ("4B", {}, (2, 1, 4)),
+    ("4B", {"mesh.data": 2}, (2, 2, 2)),            # a given data axis keeps its size; fsdp takes the rest
+    ("4B", {"mesh.fsdp": 1}, (2, 4, 1)),            # an explicit size is never overridden
+])
+def test_mesh_fsdp_auto_shards_the_paper_scales(scale, over, want):
+    from diloco.config import mesh_shape
+
+    assert mesh_shape(tiny_config("streaming", batch_size=16, scale=scale, **over), 8) == want
+
+
 def run_exchange(cfg, bs, settle_at=(), settle_end=True):
     """Drive trainer + driver over batches as the loop does; (trainer, host state)."""
     tr = Trainer(cfg)
