@@ -515,8 +515,9 @@ def compile_trainer(cfg, devices, only: set[str] | None = None) -> dict:
             todo += [(f"send {p}", tr.driver.program("send", p), (state, key, contrib)),
                      (f"update {p}", tr.driver.program("update", p), (state,)),
                      (f"merge {p}", tr.driver.program("merge", p), (state, mask))]
-    eparams = state.outer.params if state.outer is not None else jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x)), state.params)
+    eparams = state.outer.params if state.outer is not None else jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x, path)),
+        state.params)
     ebatch = jax.ShapeDtypeStruct((cfg.batch_size // tr.R * tr.R, L), jnp.int32, sharding=eval_batch_sharding(tr))
     todo.append(("eval", tr.eval_fn(), (eparams, ebatch)))
     state_bytes = per_chip_bytes(state)
@@ -541,9 +542,12 @@ def eval_batch_sharding(tr):
     return getattr(tr, "eval_batch_sharding", tr.repl_sharding)
 
 
-def eval_param_sharding(tr, x):
+def eval_param_sharding(tr, x, path=None):
+    """DP's evaluated parameters (one replica's, no replica axis): laid out by the logical rules like θᵍ
+    (before 2026-11-30 the names were not passed, so they were compiled whole on every chip)."""
     fn = getattr(tr, "outer_param_sharding", None)
-    return fn(x.shape[1:]) if fn else tr.repl_sharding
+    names = tr.names_at(path) if path is not None and hasattr(tr, "names_at") else None
+    return fn(x.shape[1:], names) if fn else tr.repl_sharding
 
 
 def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None) -> dict:
