@@ -704,9 +704,14 @@ def model_flops_per_step(cfg, n_params: int) -> float:
     return float(cfg.batch_size * cfg.seq_len) * (6.0 * n_params + 12.0 * s.layers * s.d_model * cfg.seq_len)
 
 
+def devices_per_chip(chip: str) -> int:
+    """JAX devices libtpu describes per chip: v4's two TensorCores are two devices."""
+    return 2 if chip == "v4" else 1
+
+
 def slice_devices(topology: str) -> int:
     chip, shape = topology.split(":")
-    return int(np.prod([int(x) for x in shape.split("x")])) * (2 if chip == "v4" else 1)
+    return int(np.prod([int(x) for x in shape.split("x")])) * devices_per_chip(chip)
 
 
 def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None = None, log=None) -> dict:
@@ -715,7 +720,6 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
     estimate (`estimate_bytes`) only skips slices that cannot fit by a wide margin (2×); the rest are
     compiled smallest first until one fits."""
     cfg = paper_config(scale, method, spm)
-    from diloco.config import validate
     from diloco.model.scales import formula_params
 
     n = float(formula_params(scale))
@@ -725,12 +729,15 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
         todo = [topology]
     else:
         usable = [t for t in SLICES[chip] if cfg.batch_size % slice_devices(t) == 0 and slice_devices(t) % R == 0]
+        if not usable:
+            raise ConfigError("batch_size", f"{cfg.batch_size} sequences split over no {chip} slice of "
+                              f"{', '.join(SLICES[chip])} with {R} replicas")
         first = next((i for i, t in enumerate(usable)
                       if estimate_bytes(cfg, n, slice_devices(t)) <= 2 * (1 - TABLE_HEADROOM) * hbm), len(usable) - 1)
         todo = usable[first:]
     tried = []
     for topology in todo:
-        row = compile_row(cfg, scale, method, chip, topology, R, hbm, validate)
+        row = compile_row(cfg, scale, method, chip, topology, R, hbm)
         if row["fits"] or topology == todo[-1]:
             break
         tried.append(f"{topology} {row['peak_gib'] or 'did not compile'}")
@@ -741,7 +748,9 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
     return row
 
 
-def compile_row(cfg, scale, method, chip, topology, R, hbm, validate) -> dict:
+def compile_row(cfg, scale, method, chip, topology, R, hbm) -> dict:
+    from diloco.config import validate
+
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
     validate(cfg, check_data=False, num_devices=len(devices))
@@ -753,7 +762,7 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, validate) -> dict:
     ok = ip is not None and ep is not None
     worst = max(ip, ep) if ok else None
     flops = model_flops_per_step(cfg, tr.n_params)
-    chips = len(devices) // (2 if chip == "v4" else 1)
+    chips = len(devices) // devices_per_chip(chip)
     note = "; ".join(f"{p}: {progs[p]['error'][:120]}" for p in progs if not progs[p]["compiled"])
     return {"scale": scale, "method": method, "chip": chip, "topology": topology, "chips": chips,
             "devices": len(devices), "mesh": "×".join(f"{k}{v}" for k, v in tr.mesh.shape.items()),
@@ -771,7 +780,7 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, validate) -> dict:
 
 def device_hbm(chip: str) -> int:
     """HBM of one JAX device: libtpu describes v4 with its two TensorCores as two devices (16 GiB each)."""
-    return CHIP_HBM_BYTES[chip] // (2 if chip == "v4" else 1)
+    return CHIP_HBM_BYTES[chip] // devices_per_chip(chip)
 
 
 def read_table(path) -> list[dict]:

@@ -191,9 +191,11 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
     _one_of(cfg, "model.remat_policy", ("auto", "none", "full", "save_dots"))
     _one_of(cfg, "model.attention", ("auto", "xla", "dot_product", "splash"))
-    if cfg.model.attention == "splash" and cfg.seq_len % 128:
-        raise ConfigError("model.attention", f"splash tiles the sequence by 128; seq_len={cfg.seq_len} is not a "
-                          "multiple (use a multiple of 128, or attention=xla)")
+    from diloco.model.transformer import SPLASH_BLOCK
+
+    if cfg.model.attention == "splash" and cfg.seq_len % SPLASH_BLOCK:
+        raise ConfigError("model.attention", f"splash tiles the sequence by {SPLASH_BLOCK}; seq_len={cfg.seq_len} "
+                          "is not a multiple (use a multiple, or attention=xla)")
     if str(cfg.model.get("scan", "auto")).lower() not in ("auto", "true", "false", "1", "0"):
         raise ConfigError("model.scan", f"{cfg.model.scan!r} is not one of auto, true, false")
     _one_of(cfg, "eval_drain", ("final", "every"))

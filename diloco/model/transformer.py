@@ -181,7 +181,7 @@ class Block(nn.Module):
         impl = attention_impl(cfg)
         if impl == "dot_product":
             att_BxLxHxK = jax.nn.dot_product_attention(q, k, v, scale=K**-0.5, is_causal=True)
-        elif impl == "splash" and L % SPLASH_BLOCK == 0:  # (init traces 8 tokens: the same params either way)
+        elif impl == "splash" and not (self.is_initializing() and L % SPLASH_BLOCK):  # init traces 8 tokens
             att_BxLxHxK = splash_attention(q, k, v, interpret=target_platform(cfg) != "tpu")
         else:
             logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k).astype(jnp.float32) * K**-0.5

@@ -91,9 +91,8 @@ class OuterSync:
         (sparsifiers, stochastic rounding: their draws depend on the whole vector) or nothing to split."""
         if self.mesh is None or self.mesh.shape["replica"] == 1:
             return 0
-        k = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         c = self.codec
-        if k == 1 or c.name in codecs.SPARSE_NAMES or (c.rounding == "stochastic" and c.name != "none"):
+        if self.chips() == 1 or c.name in codecs.SPARSE_NAMES or (c.rounding == "stochastic" and c.name != "none"):
             return 0
         return {"none": 1, "bf16": 1, "e3m0": int(np.lcm(c.block_size, 2))}.get(c.name, c.block_size)
 
@@ -103,17 +102,19 @@ class OuterSync:
         unit = self.split_unit()
         if not unit:
             return n
-        k = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
-        return -(-n // (k * unit)) * (k * unit)
+        k = self.chips() * unit
+        return -(-n // k) * k
+
+    def chips(self) -> int:
+        """Chips of one replica (data × fsdp)."""
+        return self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
 
     def shards(self, n: int) -> int:
         """Chips of one replica that split a fragment of length n for the exchange: each encodes and
         gathers over `replica` only its own slice of the (padded) fragment, so the bytes crossing
-        `replica` are the bytes counted. 1 (every chip moves the whole payload) for codecs that cannot be
-        split (`split_unit`)."""
-        if not self.split_unit():
-            return 1
-        return self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        `replica` are `wire_bytes_per_replica`. 1 (every chip moves the whole payload) for codecs that
+        cannot be split (`split_unit`)."""
+        return self.chips() if self.split_unit() else 1
 
     def exchange(self, delta_Rxn, keys_R, w_R):
         """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,)."""
