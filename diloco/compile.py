@@ -21,6 +21,7 @@ import re
 import sys
 import time
 from typing import Any
+from pathlib import Path
 
 import numpy as np
 
@@ -135,7 +136,31 @@ def parse_collectives(hlo: str, mesh=None) -> list[dict]:
         if dcn:
             row["axes"], row["crosses_slices"] = slice_axes(mesh) if mesh is not None else [], True
         rows.append(row)
+    runs = instruction_runs(hlo)
+    for row in rows:  # a collective inside a scanned layer loop runs once per layer
+        row["count"] = runs.get(row["name"], 1)
     return rows
+
+
+def instruction_runs(hlo: str) -> dict[str, int]:
+    """{instruction: times it runs per execution of the program}: 1 in the entry computation, × the
+    known trip count of every while loop around it (e.g. one gradient reduction per scanned layer)."""
+    comps, entry = hlo_computations(hlo)
+    runs: dict[str, int] = {}
+
+    def visit(c: str, k: int, seen: tuple) -> None:
+        if c in seen:
+            return
+        for name, _, _, rest in comps.get(c, []):
+            runs[name] = runs.get(name, 0) + k
+            for key, called in re.findall(r"\b(calls|to_apply|body|branch_computations)=\{?([%\w.\-, ]+)\}?", rest):
+                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest) if key == "body" else None
+                for sub in re.findall(r"%?([\w.\-]+)", called):
+                    visit(sub, k * (int(n.group(1)) if n else 1), seen + (c,))
+
+    if entry is not None:
+        visit(entry, 1, ())
+    return runs
 
 
 def _span(groups: list[list[int]], mesh) -> tuple[list[str], bool]:
@@ -181,12 +206,15 @@ def hlo_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, str]
                 if m.group(1):
                     entry = cur
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":
             cur = None
             continue
         m = _DEF.match(line)
         if m:
             comps[cur].append(m.groups())
+        elif comps[cur]:  # a string attribute with a newline in it (a Pallas kernel's metadata, whose
+            n, shape, op, rest = comps[cur][-1]  # next line may start with "}}"): still that instruction
+            comps[cur][-1] = (n, shape, op, rest + "\n" + line)
     return comps, entry
 
 
@@ -419,7 +447,7 @@ def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: floa
     H = 1 if rep["method"] == "dp" else rep["H"]
     rows, exposed_total = [], 0.0
     for name, cs in exchange_collectives(rep).items():
-        link_bytes = sum(c["operand_bytes"] for c in cs) * per_slice
+        link_bytes = sum(c["operand_bytes"] * c.get("count", 1) for c in cs) * per_slice
         comm = link_bytes * 8 / (gbit_per_s * 1e9)
         under_flops = max(c.get("overlapped_flops", 0.0) for c in cs)
         prog_flops = progs.get(name, {}).get("hlo_flops", 0.0)
@@ -438,7 +466,8 @@ def overlap_report(rep: dict) -> str:
     lines = []
     for name, cs in exchange_collectives(rep).items():
         for c in cs:
-            lines.append(f"  {name:<12} {c['kind']:<16} {c['operand_bytes']:>14,} B/chip  "
+            runs = f" ×{c['count']}" if c.get("count", 1) > 1 else ""
+            lines.append(f"  {name:<12} {c['kind']:<16} {c['operand_bytes']:>14,} B/chip{runs}  "
                          f"{'async' if c['async'] else 'SYNC '}  under it: {c.get('overlapped_ops', 0)} ops, "
                          f"{c.get('overlapped_flops', 0.0) / 1e9:.3f} GFLOP, {c.get('overlapped_cycles', 0):,} cycles")
     for p in rep.get("predictions", []):
@@ -462,6 +491,9 @@ def per_chip_bytes(tree) -> int:
     return total
 
 
+HLO_DIR: str | None = None  # set by `diloco compile --hlo-dir`
+
+
 def compile_one(name: str, jitted, args, mesh) -> dict:
     t0 = time.time()
     lowered = jitted.lower(*args)
@@ -482,6 +514,9 @@ def compile_one(name: str, jitted, args, mesh) -> dict:
     mem["peak_bytes"] = max(peak, mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
                             + mem["temp_bytes"])
     hlo = compiled.as_text()
+    if HLO_DIR:  # `--hlo-dir`: the scheduled program, to read what the report summarises
+        Path(HLO_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(HLO_DIR) / (re.sub(r"[^\w.+-]+", "_", name) + ".hlo.txt")).write_text(hlo)
     return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
             "flops": float(cost.get("flops", 0.0)),  # XLA's cost analysis: a while body (nn.scan) counted once
             "hlo_flops": entry_flops(hlo),  # dots/convolutions from the HLO, loop bodies × trip count
@@ -601,8 +636,8 @@ def text_report(rep: dict) -> str:
         for c in r["collectives"]:
             k = (c["kind"], "×".join(c["axes"]) or "-", c["crosses_slices"], c["async"])
             agg.setdefault(k, [0, 0])
-            agg[k][0] += 1
-            agg[k][1] += c["operand_bytes"]
+            agg[k][0] += c.get("count", 1)  # runs per step (a collective in a layer loop: once per layer)
+            agg[k][1] += c["operand_bytes"] * c.get("count", 1)
         cs = "; ".join(f"{n}× {kind}{' async' if asy else ''} over {ax}{' (DCN)' if dcn else ''}: {b:,} B"
                        for (kind, ax, dcn, asy), (n, b) in agg.items())
         lines.append(f"{r['program']:<10} {_gb(m['argument_bytes']):>10} {_gb(m['temp_bytes']):>10} "
@@ -632,7 +667,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per chip (default: the chip's bf16 peak)")
     ap.add_argument("--no-overlap-flags", action="store_true",
                     help="do not add the project's overlap flags to LIBTPU_INIT_ARGS (TPU_OVERLAP_FLAGS)")
+    ap.add_argument("--hlo-dir", default=None, help="write each compiled (scheduled) program's HLO text here")
     args, overrides = ap.parse_known_args(argv)
+    global HLO_DIR
+    HLO_DIR = args.hlo_dir
     if not args.no_overlap_flags:
         use_tpu_overlap_flags()
     from diloco.config import load_config

@@ -109,8 +109,14 @@ def initialize_from_env() -> bool:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if comm_device_enabled():
         jax.config.update("jax_num_cpu_devices", 2)
-    elif os.environ.get(ENV_CPU_DEVICES):
-        jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_CPU_DEVICES]))
+    else:
+        # One program at a time per process (not with a comm device: its exchange must run beside the
+        # step): with async dispatch XLA:CPU may start a program while the previous one still waits
+        # in a collective, and the two can meet other processes' collectives in a different order
+        # (seen: a hang with data/fsdp axes spanning processes).
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+        if os.environ.get(ENV_CPU_DEVICES):
+            jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_CPU_DEVICES]))
     jax.distributed.initialize(os.environ[ENV_COORD], n, int(os.environ[ENV_ID]))
     _joined = True
     return True

@@ -212,6 +212,79 @@ def test_overlap_of_hand_written_schedule():
         ("all-gather", True, 3728.0), ("dcn-all-gather", True, 1024.0), ("all-reduce", False, 0.0)]
 
 
+KERNEL_HLO = """HloModule m
+
+ENTRY %main (a: f32[4,8], b: f32[8,16], g: bf16[64]) -> f32[4,16] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,16]{1,0} parameter(1)
+  %g = bf16[64]{0} parameter(2)
+  %tok = token[] after-all()
+  %send = (bf16[64]{0}, u32[], token[]) send(%g, %tok), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="ag_0"}
+  %recv = (bf16[128]{0}, u32[], token[]) recv(%tok), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="ag_0"}
+  %kernel = f32[4,16]{1,0} custom-call(%a, %b), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "x",
+"xprof_metadata":"{\\"block_q\\": 128
+}}, metadata={op_name="splash"}
+  %dot.1 = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %send-done = token[] send-done(%send), channel_id=2, is_host_transfer=true
+  %recv-done = (bf16[128]{0}, token[]) recv-done(%recv), channel_id=3, is_host_transfer=true
+  ROOT %out = f32[4,16]{1,0} add(%kernel, %dot.1)
+}
+"""
+
+
+def test_a_kernel_attribute_with_newlines_does_not_end_the_computation():
+    """A Pallas kernel's custom call (splash attention) carries metadata with newlines in it, so
+    a line of the module may begin with "}}": the computation goes on to its lone "}". Under the
+    transfer: the kernel and dot.1 (2·4·16·8 = 1024 FLOPs; a kernel's own FLOPs are unknown)."""
+    comps, entry = C.hlo_computations(KERNEL_HLO)
+    assert [n for n, _, _, _ in comps[entry]][-4:] == ["dot.1", "send-done", "recv-done", "out"]
+    assert C.scheduled_overlap(KERNEL_HLO)["send"] == {"async": True, "done": "recv-done", "overlapped_ops": 2,
+                                                       "overlapped_flops": 1024.0, "overlapped_cycles": 0}
+
+
+LOOP_HLO = """HloModule m
+
+%body (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %p = (s32[], f32[256]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %g = f32[256]{0} get-tuple-element(%p), index=1
+  %ar = f32[256]{0} all-reduce(%g), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[256]) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[256])) -> pred[] {
+  %p = (s32[], f32[256]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: (s32[], f32[256]), y: f32[64]) -> f32[64] {
+  %x = (s32[], f32[256]) parameter(0)
+  %y = f32[64]{0} parameter(1)
+  %w = (s32[], f32[256]) while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+  ROOT %ar2 = f32[64]{0} all-reduce(%y), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_a_collective_in_a_layer_loop_counts_once_per_layer():
+    """The gradient reduction of a scanned model sits in the loop body: 24 runs of 1,024 B per step,
+    and the entry's own all-reduce once (256 B). DP's predicted CU puts every run on the link: with
+    4 chips per slice, (24·1024 + 256) · 4 = 99,328 B per step."""
+    rows = {r["name"]: r for r in C.parse_collectives(LOOP_HLO)}
+    assert (rows["ar"]["count"], rows["ar"]["operand_bytes"]) == (24, 1024)
+    assert (rows["ar2"]["count"], rows["ar2"]["operand_bytes"]) == (1, 256)
+    dcn = [dict(r, crosses_slices=True) for r in rows.values()]
+    rep = {"topology": "v5p:2x2x1", "chips": 8, "slices": 2, "method": "dp", "H": None,
+           "programs": [{"program": "inner", "compiled": True, "flops": 1e12, "collectives": dcn}]}
+    assert C.predict_cu(rep, 1.0)["exchanges"][0]["link_bytes"] == 99_328
+
+
 def test_predicted_cu_by_hand():
     """One slice pair of 4 chips each, a 6e12-FLOP step at MFU 0.5 × 100 TFLOP/s = 0.12 s, H = 10.
     Fragment 0's step+send moves 1e8 B/chip → 4e8 B on the link = 3.2 s at 1 Gbit/s, with 2e13 FLOPs
@@ -246,14 +319,28 @@ def test_tpu_overlap_flags_keep_what_the_user_set(monkeypatch):
     assert C.use_tpu_overlap_flags(env2) == [] and env2 == {}
 
 
-def _two_slice(method: str, tau: int, programs: set[str]):
+def _two_slice(method: str, tau: int, programs: set[str], **kw):
     import sys
     sys.path.insert(0, "tests")
     from conftest import tiny_config
 
     C.use_tpu_overlap_flags()
-    cfg = tiny_config(method, codec="bf16", batch_size=8, exchange="in_step", tau=tau)
+    cfg = tiny_config(method, **{"codec": "bf16", "batch_size": 8, "exchange": "in_step", "tau": tau, **kw})
     return C.report(cfg, "v5e:2x2", 2, programs)
+
+
+@needs_libtpu
+def test_two_slice_exchange_has_the_step_under_it_with_splash_attention():
+    """The same with 128-token sequences, where TPU's default attention is the Pallas splash kernel
+    and the FP4 codec: the kernel's custom call (metadata with newlines in it) must not hide the rest
+    of the schedule: the exchange is async and the step's matmuls outside the kernel are under it."""
+    rep = _two_slice("streaming", 1, {"step+send 0"}, codec="e3m0", seq_len=128)
+    (prog,) = rep["programs"]
+    assert "tpu_custom_call" in prog["custom_calls"]
+    dcn = [c for c in prog["collectives"] if c["crosses_slices"]]
+    assert dcn and all(c["async"] for c in dcn)
+    under = max(c["overlapped_flops"] for c in dcn)
+    assert under == prog["hlo_flops"] > 0  # every dot/convolution of the program (the kernel's own are not counted)
 
 
 @needs_libtpu

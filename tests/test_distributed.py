@@ -152,7 +152,11 @@ def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
             if k in x:
                 assert y[k] == pytest.approx(x[k], rel=1e-6, abs=0), (k, x["step"])
     s1, s4 = (json.loads((d / "summary.json").read_text()) for d in (one, four))
-    assert s4["params_sha256"] == s1["params_sha256"]
+    # Not bit-identical: a reduction over the 4 devices of a replica (data × fsdp) adds in gloo's order
+    # across processes and in XLA's own order inside one process; the last bits differ (and an E3M0
+    # code near a rounding boundary may then flip by one step). The final θᵍ scores the same to 1e-6.
+    for k in ("final_eval_loss", "final_eval_loss_undrained"):
+        assert s4[k] == pytest.approx(s1[k], rel=1e-6, abs=0), k
     assert s4["processes"] == 4 and s4["versions"]["devices"] == 8
     assert s4["tokens_read"] == [8 * 2 * 32] * 4  # steps × rows of its block × seq_len, per process
     assert s1["tokens_read"] == [8 * 8 * 32]
@@ -177,11 +181,12 @@ def _children(pid: int) -> dict[int, int]:
 def test_sigkill_of_one_host_stops_the_others_and_the_rerun_resumes_bit_identically(tmp_path):
     """SIGKILL rank 2 after the step-4 checkpoint: the launcher stops the others within 60 s (10 s
     grace after it sees the death); the same command resumes from the shared checkpoint and ends
-    with the numbers of an uninterrupted run (one process, 8 devices)."""
+    with the numbers of an uninterrupted run of the same 4 processes, bit for bit."""
     import signal
 
     ref, four = tmp_path / "ref", tmp_path / "four"
-    r1 = _eight_devices_in_one_process(ref)
+    r1 = _run(["launch", "--processes", "4", "--devices_per_process", "2", "--logdir", str(tmp_path / "logs0"), "--",
+               "train", "--workdir", str(ref), *HOSTS])
     assert r1.returncode == 0, r1.stderr[-3000:]
     cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "4", "--devices_per_process", "2",
            "--logdir", str(tmp_path / "logs"), "--", "train", "--workdir", str(four), *HOSTS]
@@ -205,10 +210,7 @@ def test_sigkill_of_one_host_stops_the_others_and_the_rerun_resumes_bit_identica
     want = [{k: r.get(k) for k in keys} for r in _rows(ref)]
     got = [{k: r.get(k) for k in keys} for r in _rows(four)]
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    for x, y in zip(want, got):
-        for k in ("train_loss", "eval_loss"):
-            if x[k] is not None:
-                assert y[k] == pytest.approx(x[k], rel=1e-6, abs=0), (k, x["step"])
+    assert got == want
     s1, s4 = (json.loads((d / "summary.json").read_text()) for d in (ref, four))
     assert s4["params_sha256"] == s1["params_sha256"]
     assert s4["tokens_read"] == [8 * 2 * 32] * 4  # continued from the checkpointed positions
