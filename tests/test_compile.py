@@ -330,11 +330,14 @@ def _two_slice(method: str, tau: int, programs: set[str], **kw):
 
 
 @needs_libtpu
-def test_two_slice_exchange_has_the_step_under_it_with_splash_attention():
-    """The same with 128-token sequences, where TPU's default attention is the Pallas splash kernel
-    and the FP4 codec: the kernel's custom call (metadata with newlines in it) must not hide the rest
-    of the schedule: the exchange is async and the step's matmuls outside the kernel are under it."""
-    rep = _two_slice("streaming", 1, {"step+send 0"}, codec="e3m0", seq_len=128)
+def test_two_slice_exchange_has_the_step_under_it_with_splash_attention_and_scan():
+    """The same as the paper's scales run it: 128-token sequences (TPU's default attention is then the
+    Pallas splash kernel), blocks under nn.scan (the forward and backward are two while loops) and the
+    FP4 codec. The kernel's custom call (metadata with newlines in it) must not hide the rest of the
+    schedule, and Δ must not be fused into the forward pass (driver.step_program's barrier; without
+    it the payload waited for both loops and nothing was under the exchange): it is async and every
+    dot/convolution of the program outside the kernel is under it."""
+    rep = _two_slice("streaming", 1, {"step+send 0"}, codec="e3m0", seq_len=128, **{"model.scan": True})
     (prog,) = rep["programs"]
     assert "tpu_custom_call" in prog["custom_calls"]
     dcn = [c for c in prog["collectives"] if c["crosses_slices"]]

@@ -103,7 +103,13 @@ class OuterDriver:
             sync = self.sync
 
             def f(state, tokens, key, contrib_R, *poison):
-                outer = sync.send(state.params, state.outer, p, key, contrib_R)  # Δ from the step's input
+                delta_Rxn = sync.delta(state.params, state.outer, p)  # Δ from the step's input
+                # The barrier makes Δ a value the step cannot reach into: without it XLA fused Δ's
+                # reads of the parameters with the forward pass's (a multi-output fusion with the
+                # last matmul), so the exchange waited for the whole forward/backward (seen on TPU
+                # with nn.scan). Identity on values: the numbers do not change.
+                delta_Rxn, state = jax.lax.optimization_barrier((delta_Rxn, state))
+                outer = sync.send_delta(delta_Rxn, state.outer, p, key, contrib_R)
                 new, ce_R, fin_R = step(state, tokens, *poison)
                 return self.constrain(new.replace(outer=outer)), ce_R, fin_R
 

@@ -81,7 +81,10 @@ class OuterSync:
 
     def send(self, params_R, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
         """Average the encoded outer gradients of fragment p over the replicas with contrib > 0."""
-        delta_Rxn = self.delta(params_R, outer, p)
+        return self.send_delta(self.delta(params_R, outer, p), outer, p, key, contrib_R)
+
+    def send_delta(self, delta_Rxn, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
+        """`send` from Δ already computed (`delta`)."""
         keys_R = jax.random.split(key, delta_Rxn.shape[0])
         return self.with_pending(outer, p, self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32)))
 
