@@ -142,6 +142,24 @@ def parse_collectives(hlo: str, mesh=None) -> list[dict]:
     return rows
 
 
+def while_trips(rest: str, comps: dict) -> int:
+    """Iterations of a while loop: XLA's known_trip_count when the backend config has it; else (libtpu's
+    scheduled text drops it) the N of a condition `counter < N` with N a constant, as lax.scan/fori_loop
+    count from 0; else 1."""
+    n = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if n:
+        return int(n.group(1))
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", rest)
+    body = comps.get(cond.group(1), []) if cond else []
+    consts = {name: int(m.group(1)) for name, _, op, r in body if op == "constant" and (m := re.match(r"(-?\d+)\)", r))}
+    for _, _, op, r in body:
+        if op == "compare" and "direction=LT" in r:
+            args = re.findall(r"%([\w.\-]+)", r.split(")", 1)[0])
+            if len(args) == 2 and args[1] in consts:
+                return max(consts[args[1]], 1)
+    return 1
+
+
 def instruction_runs(hlo: str) -> dict[str, int]:
     """{instruction: times it runs per execution of the program}: 1 in the entry computation, × the
     known trip count of every while loop around it (e.g. one gradient reduction per scanned layer)."""
@@ -154,9 +172,9 @@ def instruction_runs(hlo: str) -> dict[str, int]:
         for name, _, _, rest in comps.get(c, []):
             runs[name] = runs.get(name, 0) + k
             for key, called in re.findall(r"\b(calls|to_apply|body|branch_computations)=\{?([%\w.\-, ]+)\}?", rest):
-                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest) if key == "body" else None
+                n = while_trips(rest, comps) if key == "body" else 1
                 for sub in re.findall(r"%?([\w.\-]+)", called):
-                    visit(sub, k * (int(n.group(1)) if n else 1), seen + (c,))
+                    visit(sub, k * n, seen + (c,))
 
     if entry is not None:
         visit(entry, 1, ())
@@ -279,8 +297,7 @@ def computation_flops(hlo: str) -> tuple[dict[str, float], dict, str | None]:
             for c in re.findall(r"%?([\w.\-]+)", called):
                 sub = comp(c, seen)
                 if key == "body":
-                    n = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-                    sub *= int(n.group(1)) if n else 1
+                    sub *= while_trips(rest, comps)
                 f += sub
         per[name] = f
         return f

@@ -210,6 +210,31 @@ def _train_in_process(cmd: list[str], log) -> int:
             return 1
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def stale_fields(point: dict, wd: Path, extra: list[str] = ()) -> list[str]:
+    """Config fields whose value in a finished run's config.json differs from what this point's spec
+    resolves to now (e.g. a tuned value changed in the experiment file); [] when they agree or when
+    either side cannot be read. Fields the record lacks (added to the code after the run) and fields
+    now `auto` (decided when the run starts, e.g. model.scan) are not counted: their defaults keep
+    earlier runs' numbers."""
+    from diloco.config import load_config, to_json
+
+    try:
+        old = json.loads((wd / "config.json").read_text())
+        new = json.loads(to_json(load_config(point["spec"], [*point["overrides"], *extra], check_data=False)))
+    except Exception:  # no record, or a spec that no longer loads: nothing to compare
+        return []
+    a, b = _flat(old), _flat(new)
+    idle = ("outer.",) if b.get("method") == "dp" else ()  # DP has no outer step: its outer.* do nothing
+    return sorted(k for k in a if k in b and a[k] != b[k] and b[k] != "auto" and not k.startswith(idle or "\0"))
+
+
 def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,
               in_process: bool = False, failed_since: float | None = None, on_start=None) -> dict:
     """Run one point to completion (a subprocess, or this process with in_process=True, main thread
@@ -219,6 +244,9 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
     wd = root / sweep["name"] / point["name"]
     row = {"sweep": sweep["name"], "point": point["name"], "workdir": str(wd)}
     if (wd / "summary.json").exists():
+        changed = stale_fields(point, wd, extra)
+        if changed:  # a record of another config: never overwritten, never passed off as this point
+            return {**row, "status": "stale", "changed": changed, **_summary_bits(wd)}
         return {**row, "status": "skipped", **_summary_bits(wd)}
     if not acquire_lock(wd):
         return {**row, "status": "locked"}
@@ -307,6 +335,9 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
         msg += f"  ({finished()})"
         if r["status"] == "failed":
             msg += f"  rc={r['returncode']}: {r['error']}  → {wd / 'failed.json'}"
+        if r["status"] == "stale":
+            msg += (f"  finished with another config ({', '.join(r['changed'][:4])}"
+                    f"{', …' if len(r['changed']) > 4 else ''}): kept, not rerun; move {wd} aside to rerun it")
         say(msg)
         return r
 
@@ -378,7 +409,7 @@ def format_table(results: list[dict]) -> str:
         lines.append(f"{r['status']:<8} {loss_s:>9} "
                      f"{r.get('bytes_exchanged_total') or '':>12} {r.get('bytes_peak_per_sync') or '':>10} "
                      f"{r.get('wall_seconds') or '':>7}  {r['point']}")
-    counts = {s: sum(r["status"] == s for r in results) for s in ("done", "skipped", "failed", "locked")}
+    counts = {s: sum(r["status"] == s for r in results) for s in ("done", "skipped", "stale", "failed", "locked")}
     lines.append(", ".join(f"{v} {k}" for k, v in counts.items() if v) or "nothing to run")
     return "\n".join(lines)
 

@@ -254,7 +254,9 @@ LOOP_HLO = """HloModule m
 
 %cond (p: (s32[], f32[256])) -> pred[] {
   %p = (s32[], f32[256]) parameter(0)
-  ROOT %c = pred[] constant(true)
+  %n = s32[] constant(24)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %c = pred[] compare(%i, %n), direction=LT
 }
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -266,14 +268,15 @@ LOOP_HLO = """HloModule m
 ENTRY %main (x: (s32[], f32[256]), y: f32[64]) -> f32[64] {
   %x = (s32[], f32[256]) parameter(0)
   %y = f32[64]{0} parameter(1)
-  %w = (s32[], f32[256]) while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+  %w = (s32[], f32[256]) while(%x), condition=%cond, body=%body
   ROOT %ar2 = f32[64]{0} all-reduce(%y), channel_id=2, replica_groups={{0,1}}, to_apply=%add
 }
 """
 
 
 def test_a_collective_in_a_layer_loop_counts_once_per_layer():
-    """The gradient reduction of a scanned model sits in the loop body: 24 runs of 1,024 B per step,
+    """The gradient reduction of a scanned model sits in the loop body: 24 runs of 1,024 B per step (the
+    trip count from the loop's condition `i < 24`: libtpu's scheduled text has no known_trip_count),
     and the entry's own all-reduce once (256 B). DP's predicted CU puts every run on the link: with
     4 chips per slice, (24·1024 + 256) · 4 = 99,328 B per step."""
     rows = {r["name"]: r for r in C.parse_collectives(LOOP_HLO)}

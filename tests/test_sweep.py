@@ -202,6 +202,11 @@ def test_failure_is_recorded_others_finish_and_resume_skips(tmp_path):
     assert (good / "summary.json").stat().st_mtime_ns == mtime
     table = sw.format_table(res)
     assert "1 done, 1 failed" in table
+    # the experiment changed since (a tuned value, say): the record is kept and called stale, not rerun
+    changed = sw.run_sweep(s, root, workers=1, extra=[*extra, "--config.optimizer.lr=0.01"], quiet=True,
+                           only="tiny+dp")
+    assert [(r["status"], r["changed"]) for r in changed] == [("stale", ["optimizer.lr"])]
+    assert (good / "summary.json").stat().st_mtime_ns == mtime and "1 stale" in sw.format_table(changed)
 
 
 def test_a_locked_point_is_not_run(tmp_path):
