@@ -340,14 +340,15 @@ def scheduled_overlap(hlo: str) -> dict[str, dict]:
         dones = [done_of[s] for s in starts if s in done_of]
         if len(dones) < len(starts):  # synchronous: nothing runs under it
             out[n] = {"async": False, "done": None, "overlapped_ops": 0, "overlapped_flops": 0.0,
-                      "overlapped_cycles": 0}
+                      "overlapped_cycles": 0, "window": [pos[n], pos[n]]}
             continue
         a, b = max(pos[s] for s in starts), min(pos[d] for d in dones)
         between = [body[k] for k in range(a + 1, b)
                    if body[k][2] not in ("send", "recv", "send-done", "recv-done") and not body[k][2].endswith(("-start", "-done"))]
         cyc = sum(int(m.group(1)) for _, _, _, r in between if (m := re.search(r'"estimated_cycles":"(\d+)"', r)))
         out[n] = {"async": True, "done": max(dones, key=pos.get), "overlapped_ops": len(between),
-                  "overlapped_flops": float(sum(per.get(i[0], 0.0) for i in between)), "overlapped_cycles": cyc}
+                  "overlapped_flops": float(sum(per.get(i[0], 0.0) for i in between)), "overlapped_cycles": cyc,
+                  "window": [a, b]}  # positions in the schedule: issue … wait
     return out
 
 
@@ -358,8 +359,8 @@ def annotate_overlap(rows: list[dict], hlo: str) -> list[dict]:
         s = sched.get(r["name"])
         if s is not None:
             r["async"] = s["async"]
-            r["overlapped_flops"], r["overlapped_ops"], r["overlapped_cycles"] = (
-                s["overlapped_flops"], s["overlapped_ops"], s["overlapped_cycles"])
+            r["overlapped_flops"], r["overlapped_ops"], r["overlapped_cycles"], r["window"] = (
+                s["overlapped_flops"], s["overlapped_ops"], s["overlapped_cycles"], s["window"])
         else:
             r.setdefault("overlapped_flops", 0.0)
             r.setdefault("overlapped_ops", 0)
@@ -436,15 +437,34 @@ def exchange_collectives(rep: dict) -> dict[str, list[dict]]:
     return out
 
 
+def overlapping(cs: list[dict]) -> list[list[dict]]:
+    """Collectives grouped by overlapping schedule windows (`window`: issue … wait positions); one
+    group each when no window is known (a report from before windows were recorded: one group)."""
+    if any("window" not in c for c in cs):
+        return [cs]
+    groups: list[list[dict]] = []
+    end = -1
+    for c in sorted(cs, key=lambda c: c["window"][0]):
+        if groups and c["window"][0] < end:
+            groups[-1].append(c)
+            end = max(end, c["window"][1])
+        else:
+            groups.append([c])
+            end = c["window"][1]
+    return groups
+
+
 def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: float | None = None) -> dict:
     """Compute utilisation at a DCN bandwidth between the slices, from the compiled schedule.
 
     Compute time of a program = its FLOPs per chip / (mfu × peak). A chip's cross-slice transfer of b
     bytes puts b × (chips per slice) bytes on the link between the slices (every chip of a slice
     sends its shard at once); a program's transfers share that link:
-        exposed = max(0, Σ bytes / bandwidth − compute under them)
-    where the compute under them is the largest overlapped_flops among its transfers (they run in
-    the same window, so their windows' compute is not added up). Per round of H inner steps,
+        exposed = Σ over groups of transfers whose schedule windows overlap of
+                  max(0, Σ bytes / bandwidth − compute under them)
+    where the compute under a group is the largest overlapped_flops among its transfers (they share
+    that window; their windows' compute is not added up), and a transfer scheduled apart from the
+    others (e.g. FP4's block scales after the step) is a group of its own. Per round of H inner steps,
     Streaming runs H steps and each fragment's exchange program once; DP exposes its gradient
     reduction every step:
         CU = H · t_step / (H · t_step + Σ_programs exposed)
@@ -464,12 +484,15 @@ def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: floa
     H = 1 if rep["method"] == "dp" else rep["H"]
     rows, exposed_total = [], 0.0
     for name, cs in exchange_collectives(rep).items():
-        link_bytes = sum(c["operand_bytes"] * c.get("count", 1) for c in cs) * per_slice
-        comm = link_bytes * 8 / (gbit_per_s * 1e9)
-        under_flops = max(c.get("overlapped_flops", 0.0) for c in cs)
         prog_flops = progs.get(name, {}).get("hlo_flops", 0.0)
-        under = (t_step * min(1.0, under_flops / prog_flops) if model and prog_flops > 0 else under_flops / peak)
-        exposed = max(0.0, comm - under)
+        link_bytes = comm = under = exposed = 0.0
+        for group in overlapping(cs):  # transfers whose windows overlap share the link and the compute
+            g_bytes = sum(c["operand_bytes"] * c.get("count", 1) for c in group) * per_slice
+            g_comm = g_bytes * 8 / (gbit_per_s * 1e9)
+            under_flops = max(c.get("overlapped_flops", 0.0) for c in group)
+            g_under = (t_step * min(1.0, under_flops / prog_flops) if model and prog_flops > 0 else under_flops / peak)
+            link_bytes, comm, under = link_bytes + g_bytes, comm + g_comm, under + g_under
+            exposed += max(0.0, g_comm - g_under)
         exposed_total += exposed
         rows.append({"program": name, "link_bytes": link_bytes, "comm_s": comm, "overlapped_s": under,
                      "exposed_s": exposed})

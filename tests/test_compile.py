@@ -203,9 +203,9 @@ def test_overlap_of_hand_written_schedule():
     done (send-done): only dot.2, 1024 FLOPs, 7 cycles; the received data is in hand at recv-done. The plain all-reduce is synchronous: 0."""
     sched = C.scheduled_overlap(SCHEDULED_HLO)
     assert sched["ag-start"] == {"async": True, "done": "ag-done", "overlapped_ops": 3,
-                                 "overlapped_flops": 3728.0, "overlapped_cycles": 107}
+                                 "overlapped_flops": 3728.0, "overlapped_cycles": 107, "window": [6, 12]}
     assert sched["send"] == {"async": True, "done": "recv-done", "overlapped_ops": 1,
-                             "overlapped_flops": 1024.0, "overlapped_cycles": 7}
+                             "overlapped_flops": 1024.0, "overlapped_cycles": 7, "window": [10, 13]}
     assert sched["ar"]["async"] is False and sched["ar"]["overlapped_flops"] == 0.0
     rows = C.annotate_overlap(C.parse_collectives(SCHEDULED_HLO), SCHEDULED_HLO)
     assert [(r["kind"], r["async"], r["overlapped_flops"]) for r in rows] == [
@@ -239,7 +239,8 @@ def test_a_kernel_attribute_with_newlines_does_not_end_the_computation():
     comps, entry = C.hlo_computations(KERNEL_HLO)
     assert [n for n, _, _, _ in comps[entry]][-4:] == ["dot.1", "send-done", "recv-done", "out"]
     assert C.scheduled_overlap(KERNEL_HLO)["send"] == {"async": True, "done": "recv-done", "overlapped_ops": 2,
-                                                       "overlapped_flops": 1024.0, "overlapped_cycles": 0}
+                                                       "overlapped_flops": 1024.0, "overlapped_cycles": 0,
+                                                       "window": [5, 8]}
 
 
 LOOP_HLO = """HloModule m
@@ -303,6 +304,14 @@ def test_predicted_cu_by_hand():
     assert [e["program"] for e in p["exchanges"]] == ["step+send 0"]
     assert p["exchanges"][0]["exposed_s"] == pytest.approx(2.8) and p["cu"] == pytest.approx(0.3)
     assert C.predict_cu(rep, 10.0, mfu=0.5, peak_tflops=100)["cu"] == 1.0
+    # FP4's block scales in a window of their own after the step (nothing under it): 2.5e7 B/chip → 1e8 B
+    # on the link = 0.8 s exposed on top, whatever is under the codes' window: CU = 1.2 / (1.2 + 3.6)
+    codes = dict(dcn, window=[10, 900])
+    scales = dict(dcn, operand_bytes=2.5 * 10 ** 7, overlapped_flops=0.0, window=[950, 960])
+    split = dict(rep, programs=[rep["programs"][0], {"program": "step+send 0", "compiled": True, "flops": 7e12,
+                                                      "collectives": [codes, scales]}])
+    p2 = C.predict_cu(split, 1.0, mfu=0.5, peak_tflops=100)
+    assert p2["exchanges"][0]["exposed_s"] == pytest.approx(2.8 + 0.8) and p2["cu"] == pytest.approx(1.2 / 4.8)
     failed = dict(rep, programs=[{"program": "step+send 0", "compiled": False, "error": "RESOURCE_EXHAUSTED"}])
     assert C.predict_cu(failed, 1.0)["cu"] is None  # the report (with the compile error) is still printed
     assert C.parse_bandwidth("1Gbit,10, 100Gbit/s") == [1.0, 10.0, 100.0]
