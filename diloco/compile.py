@@ -461,10 +461,11 @@ def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: floa
     bytes puts b × (chips per slice) bytes on the link between the slices (every chip of a slice
     sends its shard at once); a program's transfers share that link:
         exposed = Σ over groups of transfers whose schedule windows overlap of
-                  max(0, Σ bytes / bandwidth − compute under them)
-    where the compute under a group is the largest overlapped_flops among its transfers (they share
-    that window; their windows' compute is not added up), and a transfer scheduled apart from the
-    others (e.g. FP4's block scales after the step) is a group of its own. Per round of H inner steps,
+                  max over the group's transfers j, in the order they are waited for, of
+                  max(0, (bytes of j and of those waited for before it) / bandwidth − compute under j)
+    (the link carries a group's transfers one after the other; a wait stalls by what has not arrived
+    beyond the compute scheduled under that transfer). A transfer waited for before the step's compute
+    (FP4's block scales at 4B) is thus exposed whole, and one scheduled apart is a group of its own. Per round of H inner steps,
     Streaming runs H steps and each fragment's exchange program once; DP exposes its gradient
     reduction every step:
         CU = H · t_step / (H · t_step + Σ_programs exposed)
@@ -486,13 +487,20 @@ def predict_cu(rep: dict, gbit_per_s: float, mfu: float = 0.6, peak_tflops: floa
     for name, cs in exchange_collectives(rep).items():
         prog_flops = progs.get(name, {}).get("hlo_flops", 0.0)
         link_bytes = comm = under = exposed = 0.0
-        for group in overlapping(cs):  # transfers whose windows overlap share the link and the compute
-            g_bytes = sum(c["operand_bytes"] * c.get("count", 1) for c in group) * per_slice
-            g_comm = g_bytes * 8 / (gbit_per_s * 1e9)
-            under_flops = max(c.get("overlapped_flops", 0.0) for c in group)
-            g_under = (t_step * min(1.0, under_flops / prog_flops) if model and prog_flops > 0 else under_flops / peak)
-            link_bytes, comm, under = link_bytes + g_bytes, comm + g_comm, under + g_under
-            exposed += max(0.0, g_comm - g_under)
+        def seconds(flops: float) -> float:
+            return t_step * min(1.0, flops / prog_flops) if model and prog_flops > 0 else flops / peak
+
+        for group in overlapping(cs):  # transfers whose windows overlap share the link
+            # the link serves them in the order they are waited for; a wait stalls by what has not
+            # arrived yet beyond the compute scheduled under that transfer
+            cum = worst = 0.0
+            for c in sorted(group, key=lambda c: (c.get("window") or [0, 0])[1]):
+                cum += c["operand_bytes"] * c.get("count", 1) * per_slice * 8 / (gbit_per_s * 1e9)
+                worst = max(worst, cum - seconds(c.get("overlapped_flops", 0.0)))
+            link_bytes += sum(c["operand_bytes"] * c.get("count", 1) for c in group) * per_slice
+            comm += cum
+            under += seconds(max(c.get("overlapped_flops", 0.0) for c in group))
+            exposed += worst
         exposed_total += exposed
         rows.append({"program": name, "link_bytes": link_bytes, "comm_s": comm, "overlapped_s": under,
                      "exposed_s": exposed})

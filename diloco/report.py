@@ -93,6 +93,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
                "status": "done" if summ else ("failed" if failed else "incomplete"),
                "spec": point.get("spec", ""), "command": point.get("command", "")}
         row.update({k: cfg.get(k) for k in CONFIG_COLS})
+        row["outer_lr"] = (cfg.get("outer") or {}).get("lr") if cfg.get("method") != "dp" else None
         row["label"] = methods.paper_label(cfg)
         stem, _, arg = row["spec"].partition(":")
         stem = Path(stem).stem
@@ -622,6 +623,10 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
     def pg(a, b):
         return 100 * (a / b - 1)
 
+    def outer_lrs(g) -> str:  # the outer lr the runs used (the spec's may have changed since)
+        lrs = sorted({float(x) for x in g.get("outer_lr", pd.Series(dtype=float)).dropna()})
+        return f", outer lr {'/'.join(f'{x:g}' for x in lrs)}" if lrs else ""
+
     def add(claim, source, runs, g, u, n, band, paper_txt, note=""):
         out.append({"claim": claim, "paper_source": source, "ours": _fmt_gap(g, u, n), "ours_gap_pct": g,
                     "ours_unc_pct": u, "n": n, "paper": paper_txt, "band_for_verdict": _band(*band),
@@ -632,7 +637,7 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         L = lambda k: (by[k].losses if k in by else {})
         steps = int(g.steps.iloc[0])
         tok = g.tokens.iloc[0] / g.params.iloc[0] if g.params.iloc[0] else np.nan
-        runs = f"{sweep} ({steps} steps, {tok:.1f} tokens/param)"
+        runs = f"{sweep} ({steps} steps, {tok:.1f} tokens/param{outer_lrs(g)})"
         gaps35 = [pg(t5[(s, "streaming_ovl_fp4_h30")], t5[(s, "data_parallel")]) for s in
                   ("35M", "100M", "200M", "300M", "500M", "1B")]
         add("Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens", "Table 5", runs,
@@ -710,7 +715,7 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
     for sweep, g in agg[agg.sweep.str.startswith("claims_tau_alpha_") & (agg.status == "done")].groupby("sweep"):
         key = {(int(r.tau), float(r.alpha)): r.losses for r in g.itertuples()}
         steps = int(g.steps.iloc[0])
-        runs = f"{sweep} ({steps} steps, H={int(g.H.iloc[0])})"
+        runs = f"{sweep} ({steps} steps, H={int(g.H.iloc[0])}{outer_lrs(g)})"
         tmax = 5  # the claim's τ (fixed, so the row's key is stable across regenerations)
         if (tmax, 0.5) in key and (0, 0.5) in key:
             add(f"τ ≤ {tmax} costs little with α=0.5", "Fig. 8", runs, *paired_gap_pct(key[(tmax, 0.5)], key[(0, 0.5)]),

@@ -312,6 +312,19 @@ def test_predicted_cu_by_hand():
                                                       "collectives": [codes, scales]}])
     p2 = C.predict_cu(split, 1.0, mfu=0.5, peak_tflops=100)
     assert p2["exchanges"][0]["exposed_s"] == pytest.approx(2.8 + 0.8) and p2["cu"] == pytest.approx(1.2 / 4.8)
+    # the scales issued with the codes but waited for before the compute (as libtpu scheduled 4B): the
+    # link carries them first (0.8 s, nothing under them: the stall), then the codes, 4.0 s in all,
+    # against 0.4 s under the codes: the worst wait is max(0.8 − 0, 4.0 − 0.4) = 3.6 s
+    early = dict(scales, window=[11, 20])
+    p3 = C.predict_cu(dict(split, programs=[rep["programs"][0], dict(split["programs"][1],
+                                                                        collectives=[codes, early])]), 1.0,
+                      mfu=0.5, peak_tflops=100)
+    assert p3["exchanges"][0]["exposed_s"] == pytest.approx(3.6)
+    big = dict(codes, overlapped_flops=6e14)  # 12 s of compute under the codes: only the scales stall
+    p4 = C.predict_cu(dict(split, programs=[rep["programs"][0], dict(split["programs"][1],
+                                                                        collectives=[big, early])]), 1.0,
+                      mfu=0.5, peak_tflops=100)
+    assert p4["exchanges"][0]["exposed_s"] == pytest.approx(0.8)
     failed = dict(rep, programs=[{"program": "step+send 0", "compiled": False, "error": "RESOURCE_EXHAUSTED"}])
     assert C.predict_cu(failed, 1.0)["cu"] is None  # the report (with the compile error) is still printed
     assert C.parse_bandwidth("1Gbit,10, 100Gbit/s") == [1.0, 10.0, 100.0]
