@@ -9,12 +9,6 @@ import warnings
 from typing import Any
 
 
-def jax_processes() -> int:
-    import jax
-
-    return jax.process_count()
-
-
 def state_checksum(state) -> list[int]:
     """Per-leaf uint32 sum of the raw bits weighted by odd position factors (wrapping), computed
     where the arrays live (sharded or not): any change of one word changes its leaf's value."""
@@ -60,13 +54,14 @@ class Checkpointer:
     """Keeps the last `keep` checkpoints in `directory` (a run's ckpt/); restores the newest readable one."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        import jax
         import orbax.checkpoint as ocp
 
         from diloco.rundir import path
 
         self._ocp = ocp
         self.dir = path(directory)
-        if jax_processes() > 1:
+        if jax.process_count() > 1:
             use_client_barriers()
         self.mngr = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
