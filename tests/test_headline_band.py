@@ -2,13 +2,15 @@
 Streaming DiLoCo (overlapped FP4, H=30 → 10, M=2) against DP. Slow: two 990-step runs (≈ 3–5 min on
 2 cores), so `pytest -m slow tests/test_headline_band.py`.
 
-The band comes from the committed claims runs (runs/full/claims_headline_tiny, 3 seeds; results/
-claims.md): the gap to DP was +1.06, +2.44, +0.04 % for seeds 0, 1, 2 — mean 1.18 %, sample standard
-deviation 1.20 pp (paired by seed); DiLoCo's gap on the same runs is +6.5 %.
-A change that breaks the algorithm's quality (a wrong sign of the outer gradient, a merge in the wrong
-direction, a fragment never synced, an outer step on stale Δ) moves the gap by several percent; the
-band is the measured mean ± 3 seed standard deviations ± 0.3 pp of cross-machine drift: [−2.6, +5.0] %,
-which a Streaming DiLoCo as bad as DiLoCo (+6.5 %) already leaves."""
+The band comes from the committed claims runs (runs/full/claims_headline_tiny at outer lr 0.1, 3 seeds;
+results/claims.md): the gap to DP was +3.50, +3.27, −1.20 % for seeds 0, 1, 2 — mean 1.86 %, sample
+standard deviation 2.65 pp (paired by seed); DiLoCo's gaps on the same runs +5.14, +6.52, +2.90 %.
+The seed spread is too wide for a band over seeds to catch anything, so the test runs seed 0 (the
+spec's) and the band is seed 0's own gap ± 1 pp: cross-machine drift is ~0.01 pp (losses differ in the
+4th–5th digit across clones), the rest is room for changes that move numbers slightly. A change that
+breaks the algorithm's quality (a wrong sign of the outer gradient, a merge in the wrong direction, a
+fragment never synced, an outer step on stale Δ) moves the gap by more; a Streaming DiLoCo as bad as
+DiLoCo at seed 0 (+5.14 %) leaves the band [+2.5, +4.5] %."""
 import json
 
 import pytest
@@ -16,9 +18,8 @@ import pytest
 from diloco.config import load_config
 from diloco.train import train
 
-GAP_MEAN = 1.18   # %, 3 seeds (module docstring)
-GAP_SD = 1.20     # pp
-LO, HI = GAP_MEAN - 3 * GAP_SD - 0.3, GAP_MEAN + 3 * GAP_SD + 0.3
+GAP_SEED0 = 3.50  # %, seed 0 of the committed runs (module docstring)
+LO, HI = GAP_SEED0 - 1.0, GAP_SEED0 + 1.0
 
 
 @pytest.mark.slow
