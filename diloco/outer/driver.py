@@ -12,7 +12,8 @@ Where a send's exchange runs (`exchange`):
   comm_device  on a second device per process, landed at the apply (CPU overlap, overlap.py)
   in_step      inside the program of inner step t+1: Δ is taken from that program's input (the
                state after step t, exactly what the blocking send sees), encoded, exchanged and
-               averaged beside the forward/backward, which does not depend on it, so XLA's
+               averaged beside the forward/backward, which does not depend on it (an optimization
+               barrier keeps XLA from fusing Δ into the step: results/pod/overlap.md), so XLA's
                latency-hiding scheduler can put the step's compute under the collective (TPU/GPU;
                one program at a time runs on a chip). Needs τ ≥ 1: the average is in its pending
                slot when step t+1 ends, at or before the apply at t+τ. The whole exchange rides on
