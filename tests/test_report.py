@@ -193,3 +193,25 @@ def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
     _record(part3, "c4_scaling_tiny+toy", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", 2.5123)
     report.build(part3, out, quiet=True)
     assert report.build.changed == ["table5_c4_scaling: tiny, data_parallel, 2: 2.5 → 2.5123"]
+
+
+def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):
+    """Streaming's gap to DP at tiny and at toy from the claims sweeps (one sweep per scale) makes the
+    trend row, in place of the quick budget's. By hand: tiny gaps 5 %, 5 % (seeds 0, 1), toy 2 %, 4 %:
+    gap(tiny) − gap(toy) = 5 − 3 = 2 pp."""
+    root = tmp_path / "runs"
+    losses = {"tiny": [(2.0, 2.1), (2.2, 2.31)], "toy": [(1.0, 1.02), (1.5, 1.56)]}
+    for scale, pairs in losses.items():
+        for seed, (dp, st) in enumerate(pairs):
+            for m, loss in (("dp", dp), ("streaming_ovl_fp4_h30", st)):
+                _record(root, f"claims_headline_{scale}", f"{scale}+{m}", f"experiments/claims.py:{scale},{m}", loss,
+                        seed, sweep_file="sweeps/claims.py", arg=f"headline,{scale}")
+    for scale in ("tiny", "toy"):  # the quick budget's runs too: their trend is not the row any more
+        for m, loss in (("dp", 2.0), ("streaming_ovl_fp4_h30", 2.2)):
+            _record(root, "c4_scaling_tiny+toy", f"{scale}+{m}", f"experiments/c4_scaling.py:{scale},{m}", loss,
+                    arg="tiny+toy")
+    report.build(root, tmp_path / "out", quiet=True)
+    c = pd.read_csv(tmp_path / "out" / "claims.csv")
+    (row,) = c[c.claim.str.startswith("The gap to DP shrinks")].itertuples()
+    assert row.runs == "claims_headline_tiny + claims_headline_toy" and row.n == 2
+    assert math.isclose(row.ours_gap_pct, 2.0, rel_tol=1e-9)
