@@ -159,3 +159,29 @@ def test_scanned_blocks_split_by_rows_and_roundtrip():
     np.testing.assert_array_equal(np.asarray(back["blocks"]["w"])[[1, 4]], -1)
     np.testing.assert_array_equal(np.asarray(back["blocks"]["w"])[[0, 2, 3, 5]],
                                   np.asarray(params["blocks"]["w"])[[0, 2, 3, 5]])
+
+
+def test_a_payload_crosses_as_one_byte_buffer_and_comes_back_exactly():
+    """gather_packed: codes (uint8), scales (f32) and bf16 values of 2 local rows, through a stand-in
+    gather that stacks two replicas (the local rows, then the same + 1): one gather call, and every array
+    comes back bit for bit in its dtype and shape, the second replica's rows after the first's."""
+    import jax.numpy as jnp
+
+    from diloco.outer.sync import gather_packed
+
+    rng = np.random.default_rng(0)
+    payload = {"codes": jnp.asarray(rng.integers(0, 256, (2, 5, 3), dtype=np.uint8)),
+               "scales": jnp.asarray(rng.standard_normal((2, 4)).astype(np.float32)),
+               "values": jnp.asarray(rng.standard_normal((2, 6)), dtype=jnp.bfloat16)}
+    calls = []
+
+    def gather(x):
+        calls.append(x.shape)
+        return jnp.concatenate([x, x + 1], axis=0)  # bytes + 1: a different, known second replica
+
+    out = gather_packed(payload, gather)
+    assert calls == [(2, 5 * 3 + 4 * 4 + 6 * 2)]  # one buffer: 15 code bytes, 16 scale bytes, 12 bf16 bytes
+    for k, v in payload.items():
+        assert out[k].dtype == v.dtype and out[k].shape == (4,) + v.shape[1:]
+        np.testing.assert_array_equal(np.asarray(out[k][:2]).view(np.uint8), np.asarray(v).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(out["codes"][2:]), np.asarray(payload["codes"]) + 1)
