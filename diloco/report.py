@@ -628,6 +628,8 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         return f", outer lr {'/'.join(f'{x:g}' for x in lrs)}" if lrs else ""
 
     def add(claim, source, runs, g, u, n, band, paper_txt, note=""):
+        if g is None or not np.isfinite(g):  # a comparison whose runs are absent: no row
+            return
         out.append({"claim": claim, "paper_source": source, "ours": _fmt_gap(g, u, n), "ours_gap_pct": g,
                     "ours_unc_pct": u, "n": n, "paper": paper_txt, "band_for_verdict": _band(*band),
                     "verdict": verdict(g, u, *band), "runs": runs, "note": note})
@@ -638,36 +640,42 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         steps = int(g.steps.iloc[0])
         tok = g.tokens.iloc[0] / g.params.iloc[0] if g.params.iloc[0] else np.nan
         runs = f"{sweep} ({steps} steps, {tok:.1f} tokens/param{outer_lrs(g)})"
+        scale = sweep.removeprefix("claims_headline_")
+        at = "" if scale == "tiny" else f" — at {scale}"  # tiny is the headline; other scales' rows say so
+
+        def hadd(claim, *a, **k):
+            add(claim + at, *a, **k)
+
         gaps35 = [pg(t5[(s, "streaming_ovl_fp4_h30")], t5[(s, "data_parallel")]) for s in
                   ("35M", "100M", "200M", "300M", "500M", "1B")]
-        add("Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens", "Table 5", runs,
+        hadd("Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens", "Table 5", runs,
             *paired_gap_pct(L("streaming_ovl_fp4_h30"), L("dp")), (-1.0, 1.0),
             f"gap to DP {min(gaps35):+.2f}…{max(gaps35):+.2f}% (35M…1B); 35M {gaps35[0]:+.2f}%",
             "band: within 1 % of DP")
         dgaps = [pg(t5[(s, "diloco_h30")], t5[(s, "data_parallel")]) for s in ("35M", "100M", "200M", "300M", "500M", "1B")]
-        add("DiLoCo (H=30) ≈ DP at equal tokens", "Table 5", runs,
+        hadd("DiLoCo (H=30) ≈ DP at equal tokens", "Table 5", runs,
             *paired_gap_pct(L("diloco_h30"), L("dp")), (-1.0, 1.0),
             f"gap to DP {min(dgaps):+.2f}…{max(dgaps):+.2f}% (35M…1B); 35M {dgaps[0]:+.2f}%",
             "band: within 1 % of DP; outer lr tuned for this row (sweeps/tune_outer_lr.py)")
-        add("Fragmenting alone (Streaming α=0, τ=0, FP32 vs DiLoCo) costs nothing", "Table 5 / Fig. 4", runs,
+        hadd("Fragmenting alone (Streaming α=0, τ=0, FP32 vs DiLoCo) costs nothing", "Table 5 / Fig. 4", runs,
             *paired_gap_pct(L("streaming_h30,alpha=0.0"), L("diloco_h30")), (-0.5, 0.5),
             "Streaming ≈ DiLoCo at every scale (Fig. 4)", "rows differ only in P (3 vs 1)")
-        add("Merging α=0.5 vs α=0 (Streaming, τ=0, FP32)", "§2.3 / Fig. 8 at τ=0", runs,
+        hadd("Merging α=0.5 vs α=0 (Streaming, τ=0, FP32)", "§2.3 / Fig. 8 at τ=0", runs,
             *paired_gap_pct(L("streaming_h30"), L("streaming_h30,alpha=0.0")), (-np.inf, 0.5),
             "α=0.5 no worse than α=0 at small τ", "rows differ only in α")
-        add("Overlap τ=1 costs little (α=0.5, FP32)", "Fig. 8", runs,
+        hadd("Overlap τ=1 costs little (α=0.5, FP32)", "Fig. 8", runs,
             *paired_gap_pct(L("streaming_ovl_h30"), L("streaming_h30")), (-np.inf, 0.5),
             "< 0.2 % up to τ = 10", "band: ≤ +0.5 %")
-        add("FP4 (E3M0) outer gradients = FP32", "Fig. 11", runs,
+        hadd("FP4 (E3M0) outer gradients = FP32", "Fig. 11", runs,
             *paired_gap_pct(L("streaming_ovl_fp4_h30"), L("streaming_ovl_h30")), (-0.5, 0.5),
             "FP32 → FP4: no loss", "band: ±0.5 %")
         h = [pg(t5[(s, "streaming_ovl_fp4_h100")], t5[(s, "streaming_ovl_fp4_h30")]) for s in
              ("35M", "100M", "200M", "300M", "500M", "1B")]
-        add("H=100 costs a little over H=30", "Table 5", runs,
+        hadd("H=100 costs a little over H=30", "Table 5", runs,
             *paired_gap_pct(L("streaming_ovl_fp4_h100"), L("streaming_ovl_fp4_h30")), (0.0, 2.0),
             f"{min(h):+.2f}…{max(h):+.2f}% (35M…1B)", "toy H: 33 vs 10; band: (0, +2 %]")
         m4 = pg(t6[("35M", "streaming_ovl_fp4_m4_h30")], t6[("35M", "streaming_ovl_fp4_m2_h30")])
-        add("More replicas at a fixed token budget cost a little (M=4 vs 2, fixed global batch)",
+        hadd("More replicas at a fixed token budget cost a little (M=4 vs 2, fixed global batch)",
             "Table 6 / Fig. 12", runs, *paired_gap_pct(L("streaming_ovl_fp4_h30,4") or L("streaming_ovl_fp4_h30+4"),
                                                        L("streaming_ovl_fp4_h30")), (0.0, 5.0),
             f"35M: {m4:+.2f}%", "band: (0, +5 %]")
@@ -677,7 +685,7 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
             ratio = rdp.bytes_exchanged_total / r100.bytes_exchanged_total
             expect = 441 / 1.10 * r100.H / 100  # the paper's 400× at H=100 scales with H
             ok = abs(ratio / expect - 1) <= 0.25
-            out.append({"claim": "Total bytes: Streaming FP4 H=100 ≪ DP", "paper_source": "Table 1",
+            out.append({"claim": "Total bytes: Streaming FP4 H=100 ≪ DP" + at, "paper_source": "Table 1",
                         "ours": f"DP/ours ×{ratio:.0f} at H={int(r100.H)}", "ours_gap_pct": np.nan,
                         "ours_unc_pct": np.nan, "n": int(r100.n), "paper": "441 TB / 1.10 TB = ×401 at H=100",
                         "band_for_verdict": f"×{expect:.0f} ± 25 % (the paper's ×401 scaled by H/100)",
@@ -686,7 +694,7 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         if rovl is not None and rdil is not None and rdil.bytes_peak_per_sync:
             ratio = rovl.bytes_peak_per_sync / rdil.bytes_peak_per_sync
             share = rovl.largest_fragment_share
-            out.append({"claim": "Peak bandwidth: Streaming (FP32) / DiLoCo = its largest fragment's share",
+            out.append({"claim": "Peak bandwidth: Streaming (FP32) / DiLoCo = its largest fragment's share" + at,
                         "paper_source": "§3.1 / Fig. 6", "ours": f"×{ratio:.3f} (largest fragment {share:.3f} "
                         f"of the parameters)", "ours_gap_pct": np.nan, "ours_unc_pct": np.nan, "n": int(rovl.n),
                         "paper": "8× lower at 1B (24 blocks, 3 per fragment)",
@@ -706,10 +714,10 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
                 first = {s: v["first_replica"] for s, v in wps.items()}
                 avg = {s: v["replica_average"] for s, v in wps.items()}
                 outer = {s: v["outer_params"] for s, v in wps.items()}
-                add("Table 3: θᵍ beats the first replica", "Table 3", runs, *paired_gap_pct(first, outer),
+                hadd("Table 3: θᵍ beats the first replica", "Table 3", runs, *paired_gap_pct(first, outer),
                     (0.0, np.inf), f"first replica {pg(wp['first_replica'], wp['outer_params']):+.2f}% over θᵍ",
                     "drained θᵍ; first replica minus θᵍ")
-                add("Table 3: θᵍ no worse than the replica average", "Table 3", runs, *paired_gap_pct(avg, outer),
+                hadd("Table 3: θᵍ no worse than the replica average", "Table 3", runs, *paired_gap_pct(avg, outer),
                     (0.0, np.inf), f"replica average {pg(wp['replica_average'], wp['outer_params']):+.2f}% over θᵍ",
                     "drained θᵍ")
     for sweep, g in agg[agg.sweep.str.startswith("claims_tau_alpha_") & (agg.status == "done")].groupby("sweep"):
