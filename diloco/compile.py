@@ -37,6 +37,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+# computations an instruction calls: fusions, reducers, while bodies (× trip count), conditional branches
+_CALLS = re.compile(r"\b(calls|to_apply|body|branch_computations)=\{?([%\w.\-, ]+)\}?")
 
 
 # -- topology ------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def instruction_runs(hlo: str) -> dict[str, int]:
             return
         for name, _, _, rest in comps.get(c, []):
             runs[name] = runs.get(name, 0) + k
-            for key, called in re.findall(r"\b(calls|to_apply|body|branch_computations)=\{?([%\w.\-, ]+)\}?", rest):
+            for key, called in _CALLS.findall(rest):
                 n = while_trips(rest, comps) if key == "body" else 1
                 for sub in re.findall(r"%?([\w.\-]+)", called):
                     visit(sub, k * n, seen + (c,))
@@ -293,7 +295,7 @@ def computation_flops(hlo: str) -> tuple[dict[str, float], dict, str | None]:
     def inst(i, seen) -> float:
         name, shape, op, rest = i
         f = op_flops(shape, op, rest, shapes)
-        for key, called in re.findall(r"\b(calls|to_apply|body|branch_computations)=\{?([%\w.\-, ]+)\}?", rest):
+        for key, called in _CALLS.findall(rest):
             for c in re.findall(r"%?([\w.\-]+)", called):
                 sub = comp(c, seen)
                 if key == "body":

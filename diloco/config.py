@@ -144,9 +144,10 @@ def _base_keys() -> set[str]:
 
 
 def flatten(cfg, prefix: str = "") -> dict:
+    """{"a.b": value} of a ConfigDict, or of its JSON form (a run's config.json)."""
     out = {}
     for k, v in cfg.items():
-        if isinstance(v, ml_collections.ConfigDict):
+        if isinstance(v, (ml_collections.ConfigDict, dict)):
             out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

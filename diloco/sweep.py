@@ -210,29 +210,22 @@ def _train_in_process(cmd: list[str], log) -> int:
             return 1
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def stale_fields(point: dict, wd: Path, extra: list[str] = ()) -> list[str]:
     """Config fields whose value in a finished run's config.json differs from what this point's spec
     resolves to now (e.g. a tuned value changed in the experiment file); [] when they agree or when
     either side cannot be read. Fields the record lacks (added to the code after the run) and fields
     now `auto` (decided when the run starts, e.g. model.scan) are not counted: their defaults keep
     earlier runs' numbers."""
-    from diloco.config import load_config, to_json
+    from diloco.config import flatten, load_config, to_json
 
     try:
         old = json.loads((wd / "config.json").read_text())
         new = json.loads(to_json(load_config(point["spec"], [*point["overrides"], *extra], check_data=False)))
     except Exception:  # no record, or a spec that no longer loads: nothing to compare
         return []
-    a, b = _flat(old), _flat(new)
-    idle = ("outer.",) if b.get("method") == "dp" else ()  # DP has no outer step: its outer.* do nothing
-    return sorted(k for k in a if k in b and a[k] != b[k] and b[k] != "auto" and not k.startswith(idle or "\0"))
+    a, b = flatten(old), flatten(new)
+    dp = b.get("method") == "dp"  # DP has no outer step: its outer.* do nothing
+    return sorted(k for k in a if k in b and a[k] != b[k] and b[k] != "auto" and not (dp and k.startswith("outer.")))
 
 
 def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,

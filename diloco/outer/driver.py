@@ -196,22 +196,13 @@ class OuterDriver:
         return state
 
 
+@jax.jit
 def replica_finite(params_R):
     """(R,) bool on device, not fetched unless a fault is found: which replicas hold only finite values.
     One jitted program: op-by-op jnp on arrays that span processes would be a chain of small
     collective programs, each a chance for processes to disagree on order."""
-    return _replica_finite(params_R)
-
-
-@jax.jit
-def _replica_finite(params_R):
     leaves = jax.tree_util.tree_leaves(params_R)
     return jnp.stack([jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]).all(0)
-
-
-@jax.jit
-def _all_finite(x):
-    return jnp.isfinite(x).all()
 
 
 @jax.jit
@@ -222,8 +213,8 @@ def _count_bad(x):
 def check_pending_finite(state, p: int, t: int, last_ckpt: int = 0, finite_R=None) -> None:
     """Raise NumericalFault when fragment p's averaged outer gradient (sent at step t) is not finite."""
     pending = state.outer.pending[p]
-    if not bool(_all_finite(pending)):  # one scalar to the host per sync, the vector only on failure
-        n_bad = int(_count_bad(pending))  # every process raises here, after the same programs
+    n_bad = int(_count_bad(pending))  # one scalar to the host per sync (one program on every process)
+    if n_bad:
         try:
             bad = [m for m, ok in enumerate(np.asarray(finite_R)) if not ok]
         except Exception:  # None, or not addressable from this process
