@@ -11,8 +11,8 @@ sweep point under --root, so an interrupted reproduce picks up where it stopped.
 
 The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter, one seed), so its
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
-claims sweeps (sweeps/claims.py: headline, τ×α and the pattern ablation on toy, 3 seeds each)
-and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
+claims sweeps (sweeps/claims.py: headline, τ×α and the pattern ablation on toy, 3 seeds each; then
+the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
 resumes where it stopped. Regenerating never drops a committed table or row (diloco/report.py).
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
 # -- --full: the claims table at the paper-like budget --------------------------------------------------
 FULL_PLAN = [("tune_inner_lr", "sweeps/tune_inner_lr.py:tiny"), ("tune_outer_lr", "sweeps/tune_outer_lr.py:tiny"),
              ("claims_headline", "sweeps/claims.py:headline,tiny"), ("claims_tau_alpha", "sweeps/claims.py:tau_alpha,tiny"),
-             ("claims_pattern", "sweeps/claims.py:pattern,toy")]
+             ("claims_pattern", "sweeps/claims.py:pattern,toy"), ("claims_headline_toy", "sweeps/claims.py:headline,toy")]
 # Seconds per training step of one run while two run at once on 2 shared cores (measured: tiny 990 steps
 # ≈ 120 s, toy 240 steps ≈ 230 s), used until the root has finished runs of that scale to measure.
 SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
@@ -238,8 +238,10 @@ SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
 
 def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: int,
                      extra: list[str] = ()) -> tuple[float, int]:
-    """(wall seconds, runs) left: each unfinished point's steps × seconds per step of its scale (measured
-    from finished runs under root when there are any, else SECONDS_PER_STEP), over `workers`."""
+    """(wall seconds, runs) left: each unfinished point's steps × seconds per step, measured from the
+    finished runs of the same sweep under root, else of the same scale (any sweep: specs of one scale
+    differ in eval and checkpoint cadence, so per step they can differ 3×), else SECONDS_PER_STEP;
+    over `workers`."""
     from diloco.config import load_config
 
     measured: dict[str, list[float]] = {}
@@ -247,7 +249,9 @@ def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: i
         try:
             s = json.loads(p.read_text())
             c = json.loads((p.parent / "config.json").read_text())
-            measured.setdefault(c["scale"], []).append(float(s["wall_seconds"]) / float(c["steps"]))
+            per = float(s["wall_seconds"]) / float(c["steps"])
+            measured.setdefault(c["scale"], []).append(per)
+            measured.setdefault(f"sweep:{p.parent.parent.name}", []).append(per)
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             continue
     total, n = 0.0, 0
@@ -260,7 +264,8 @@ def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: i
                 scale, steps = cfg.scale, cfg.steps
             except Exception:
                 scale, steps = "tiny", 1000
-            per = sorted(measured.get(scale, [])) or [SECONDS_PER_STEP.get(scale, 1.0)]
+            per = (sorted(measured.get(f"sweep:{s['name']}", [])) or sorted(measured.get(scale, []))
+                   or [SECONDS_PER_STEP.get(scale, 1.0)])
             total += per[len(per) // 2] * steps + 10.0  # + start-up and compile
             n += 1
     return total / max(1, workers), n
