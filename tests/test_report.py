@@ -215,3 +215,41 @@ def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):
     (row,) = c[c.claim.str.startswith("The gap to DP shrinks")].itertuples()
     assert row.runs == "claims_headline_tiny + claims_headline_toy" and row.n == 2
     assert math.isclose(row.ours_gap_pct, 2.0, rel_tol=1e-9)
+
+
+def _which_params(wd, first, avg, outer):  # a drained which_params.json, as report.which_params_eval caches it
+    (wd / "which_params.json").write_text(json.dumps({"first_replica": first, "replica_average": avg,
+                                                      "outer_params": outer, "drained_fragments": [0]}))
+
+
+def test_table3_rows_pair_the_three_evaluations_by_seed(tmp_path):
+    """Claims row 'the replicas drift apart' and results/table3_outer_lr from each seed's which_params.json.
+    By hand, headline seeds 0, 1: first/avg = 2.06/2.00 (+3 %), 3.12/3.00 (+4 %) → +3.5 %, sd 0.7071,
+    ± 2·sd/√2 = 1.0: [2.5, 4.5] lies in the band [+1 %, ∞) → agrees.
+    table3 at outer lr 0.4, seeds 0, 1: (first, avg, θᵍ) = (2.02, 2.00, 2.00), (3.09, 3.00, 3.03):
+    first vs avg +1 %, +3 % → 2 ± 2; first vs θᵍ +1 %, +1.9802 % → 1.4901 ± 0.9802; avg vs θᵍ 0, −0.9901 %."""
+    root = tmp_path / "runs"
+    for seed, (first, avg) in enumerate([(2.06, 2.00), (3.12, 3.00)]):
+        _record(root, "claims_headline_tiny", "tiny+dp", "experiments/claims.py:tiny,dp", 2.0, seed,
+                sweep_file="sweeps/claims.py", arg="headline,tiny")
+        wd = _record(root, "claims_headline_tiny", "tiny+streaming_ovl_fp4_h30",
+                     "experiments/claims.py:tiny,streaming_ovl_fp4_h30", 2.0, seed, sweep_file="sweeps/claims.py",
+                     arg="headline,tiny")
+        _which_params(wd, first, avg, avg)
+    for seed, (first, avg, outer) in enumerate([(2.02, 2.00, 2.00), (3.09, 3.00, 3.03)]):
+        for lr in (0.4, 1.0):
+            wd = _record(root, "claims_table3_tiny", f"outer.lr={lr}", "experiments/claims.py:tiny,streaming_ovl_fp4_h30",
+                         outer, seed, sweep_file="sweeps/claims.py", arg="table3,tiny", **{"outer.lr": lr})
+            _which_params(wd, first, avg, outer)
+    report.build(root, tmp_path / "out", quiet=True)
+    c = pd.read_csv(tmp_path / "out" / "claims.csv")
+    (row,) = c[c.claim.str.startswith("Table 3: the replicas drift apart")].itertuples()
+    assert math.isclose(row.ours_gap_pct, 3.5, rel_tol=1e-9) and math.isclose(row.ours_unc_pct, 1.0, rel_tol=1e-9)
+    assert row.verdict == "agrees" and row.n == 2
+    t = pd.read_csv(tmp_path / "out" / "table3_outer_lr.csv").set_index("outer_lr")
+    assert sorted(t.index) == [0.4, 1.0] and (t.n == 2).all() and (t.alpha == 0.5).all()
+    r = t.loc[0.4]
+    assert math.isclose(r.first_vs_avg_pct, 2.0, rel_tol=1e-9) and math.isclose(r.first_vs_avg_pct_unc, 2.0, rel_tol=1e-9)
+    assert math.isclose(r.first_vs_outer_pct, (1.0 + 100 * (3.09 / 3.03 - 1)) / 2, rel_tol=1e-9)
+    assert math.isclose(r.avg_vs_outer_pct, 100 * (3.00 / 3.03 - 1) / 2, rel_tol=1e-9)
+    assert math.isclose(r.outer_params, (2.00 + 3.03) / 2, rel_tol=1e-9)
