@@ -13,7 +13,7 @@ The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter,
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
 claims sweeps (sweeps/claims.py: headline, τ×α and the pattern ablation on toy, 3 seeds each; then
 the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
-resumes where it stopped. Regenerating never drops a committed table or row (diloco/report.py).
+resumes where it stopped. Regenerating never drops a committed table or row (diloco/report/).
 """
 from __future__ import annotations
 

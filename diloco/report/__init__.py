@@ -1,0 +1,178 @@
+"""`diloco tables --root DIR --out results/`: run records → pandas → the paper's tables (ours beside
+theirs, with the difference), bytes tables, loss curves and ablation plots. Reads only
+config.json / summary.json / metrics.jsonl / point.json / failed.json; regenerating takes seconds
+(Table 3 evaluates a checkpoint once and caches which_params.json in its workdir).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import pandas as pd
+
+from diloco.errors import ConfigError
+from diloco.report.claims import claims_table, verdict, write_claims
+from diloco.report.plots import plot_ablation, plot_loss_curves
+from diloco.report.records import PAPER_DIR, collapse, is_difference, load_runs, read_json
+from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_table, bytes_table, eval_noise, table1,
+                                  table3, table3_outer_lr, table5, table6, which_params_eval)
+from diloco.report.write import KEYS, compare_committed, markdown, write_if_changed, write_table
+
+# the names other code and the tests use as `report.<name>`, besides build and main
+__all__ = ["build", "main", "PAPER_DIR", "load_runs", "is_difference", "markdown", "which_params_eval",
+           "ablation_table", "plot_ablation", "verdict"]
+
+
+def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
+    """Every table and plot the records under root allow, merged with what out/ already holds (a table
+    or row this build does not regenerate is kept). Returns the written (or unchanged, regenerated) files."""
+    t0 = time.time()
+    root, out = Path(root), Path(out)
+    if not root.is_dir():
+        raise ConfigError("--root", f"{root} is not a directory of runs; run `diloco sweep … --root {root}` first")
+    df = load_runs(root)
+    if df.empty:
+        raise ConfigError("--root", f"no run records (config.json) under {root}")
+    out.mkdir(parents=True, exist_ok=True)
+    from diloco.rundir import atomic_write_json
+
+    prov = read_json(out / "provenance.json") or {}
+    touched: list[Path] = []
+    ours = df.drop(columns=[c for c in ("command",) if c in df])
+    write_table(ours, out, "runs", "Every run record (one row per run)", key=KEYS["runs"], runs=df, root=root,
+                prov=prov)
+    (out / "runs.md").unlink(missing_ok=True)  # runs.csv only (the markdown would be huge)
+    touched.append(out / "runs.csv")
+    agg = collapse(df)
+    old5 = pd.read_csv(out / "table5_c4_scaling.csv") if (out / "table5_c4_scaling.csv").exists() else None
+    seeds_note = ("Rows are settings over their seeds: `eval_loss` is mean ± sample std over `n` seeds; gaps are "
+                  "paired by seed, ± twice their standard error (a gap is a difference only when it exceeds "
+                  "that; with n = 1 no uncertainty is printed and none is claimed).")
+    tables = [("table5_c4_scaling", "[SD] Table 5 — C4 scaling: ours beside the paper", table5, ("c4_scaling",),
+               "Eval loss and gap to Data-Parallel (DP) at the same scale. Toy scales are compared with the paper's "
+               "smallest scale (35M) and the range of its gaps over 35M…4B; absolute losses are comparable only at "
+               "the paper's scales. `dp_bytes_over_ours`: DP's total bytes / this run's; `diloco_peak_over_ours`: "
+               "DiLoCo's peak bytes per sync / this run's. Toy twins run H/3 (30→10, 100→33); `H` is the run's."),
+              ("table6_replicas_h", "[SD] Table 6 — Streaming DiLoCo overlapped FP4 at M × H", table6,
+               ("replicas_h", "c4_scaling"),
+               "Relative to M=2, H=30 of the same scale (paper: same, at its scale or at 35M for toy runs)."),
+              ("table1_dolma_overtraining", "[SD] Table 1/7 — over-training", table1, ("dolma",),
+               "Gap to DP at the same token budget, and DP's bytes over ours: summed over replicas, and per replica "
+               "(`dp_over_ours_per_replica`, the paper's convention: its `paper_dp_over_ours` is the TB-exchanged "
+               "ratio). Toy twins: 1×/4×/10× a 100-step tiny budget, H=100 → 33."),
+              ("table3_which_params", "[SD] Table 3 — which parameters to evaluate", table3, ("which_params",),
+               "Eval loss of the first replica, the replica average and the outer parameters θ^g, from the run's "
+               "last checkpoint (θ^g drained: fragments in flight applied)."),
+              ("table3_outer_lr", "[SD] Table 3 at the claims budget, by outer lr",
+               partial(table3_outer_lr, run_records=df), ("claims_table3",),
+               "The final method (Streaming, overlap τ=1, FP4, α=0.5, H=10) at outer lr 0.1 (tuned), 0.4 (the "
+               "paper's) and 1.0; `outer_params`: θ^g's eval loss (drained). Gaps are paired by seed, ± twice "
+               "their standard error: `first_vs_outer_pct` is Table 3's comparison, `first_vs_avg_pct` the "
+               "replicas' spread (paper: first replica 2.77, replica average 2.68: +3.36 %)."),
+              ("bytes_exchanged", "Bytes exchanged per method (total and peak per sync)", bytes_table,
+               ("c4_scaling", "dolma"),
+               "Bytes one replica sends, summed over replicas (DP: bf16 gradients every step). Paper: ≈400× fewer "
+               "total bits than DP for Streaming FP4 at H=100 (Table 1, 441 TB / 1.10 TB) and a peak 8× lower than "
+               "DiLoCo at 1B (24 blocks / 3 per fragment). Our peak ratio to DiLoCo is the fragment share "
+               "(`largest_fragment_share`: its largest fragment / all parameters) times the codec's (E3M0 ≈ 0.52 "
+               "bytes per parameter vs FP32's 4).")]
+    changed: list[str] = []
+    for name, title, fn, prefixes, notes in tables:
+        t = fn(agg)
+        if not t.empty:
+            if name == "table5_c4_scaling" and old5 is not None:
+                changed += [f"{name}: {c}" for c in compare_committed(old5, t, KEYS[name])]
+            write_table(t, out, name, title, notes + "\n\n" + seeds_note, key=KEYS[name],
+                        runs=df[df.sweep.str.startswith(prefixes)], root=root, prov=prov)
+            touched += [out / f"{name}.csv", out / f"{name}.md"]
+    for sweep in agg.sweep.unique():
+        g = agg[agg.sweep == sweep]
+        kind = next((k for k in PAPER_SAYS if sweep.startswith(k + "_")), None)
+        if sweep.startswith(("c4_scaling", "replicas_h", "dolma")):
+            plot_loss_curves(df[df.seed == 0] if "seed" in df else df, sweep, out / f"loss_curves_{sweep}.png")
+            touched.append(out / f"loss_curves_{sweep}.png")
+        elif kind or sweep.startswith(("claims_", "tune_")):
+            t = ablation_table(g)
+            old = out / f"ablation_{sweep}.csv"
+            if old.exists():
+                axes = tuple(c for c in t.columns if c not in ABLATION_RESULT_COLS)
+                try:
+                    changed += [f"ablation_{sweep}: {c}" for c in compare_committed(pd.read_csv(old), t, axes)]
+                except (OSError, ValueError):
+                    pass
+            paper_says = f"Paper: {PAPER_SAYS[kind]}\n\n" if kind else ""
+            write_table(t, out, f"ablation_{sweep}", f"Ablation {sweep}",
+                        f"{paper_says}`vs_first_pct`: eval loss relative to the first row.\n\n{seeds_note}",
+                        key=tuple(c for c in t.columns if c not in ABLATION_RESULT_COLS),
+                        runs=df[df.sweep == sweep], root=root, prov=prov)
+            plot_ablation(t, sweep, out / f"ablation_{sweep}.png")
+            plot_loss_curves(df[(df.sweep == sweep) & (df.seed == 0)], sweep, out / f"loss_curves_{sweep}.png")
+            touched += [out / f"ablation_{sweep}.{e}" for e in ("csv", "md", "png")] + [out / f"loss_curves_{sweep}.png"]
+    c = claims_table(agg, old5, run_records=df)
+    if not c.empty:
+        write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling"))], root, prov)
+        touched += [out / "claims.md", out / "claims.csv"]
+    failed = df[df.status != "done"]
+    fr = out / "failed_runs.csv"
+    if fr.exists():  # a committed failure that has finished since (under this root) is no longer one
+        try:
+            old = pd.read_csv(fr)
+            done_now = set(zip(df[df.status == "done"].sweep, df[df.status == "done"].point))
+            old = old[[(a, b) not in done_now for a, b in zip(old.sweep, old.point)]]
+            new_keys = set(zip(failed.sweep, failed.point))
+            old = old[[(a, b) not in new_keys for a, b in zip(old.sweep, old.point)]]
+        except (OSError, ValueError, AttributeError):
+            old = pd.DataFrame()
+        if old.empty and not len(failed):
+            fr.unlink()
+            (out / "failed_runs.md").unlink(missing_ok=True)
+    else:
+        old = pd.DataFrame()
+    if len(failed) or not old.empty:
+        cols = ["sweep", "point", "status", *(["error"] if "error" in failed else [])]
+        write_table(pd.concat([failed[cols], old], ignore_index=True), out,
+                    "failed_runs", "Runs without a summary (failed or unfinished)")
+        touched += [out / "failed_runs.csv", out / "failed_runs.md"]
+    write_if_changed(out / "provenance.json", json.dumps(prov, indent=1, sort_keys=True) + "\n",
+                      lambda p, t: atomic_write_json(p, json.loads(t)))
+    touched.append(out / "provenance.json")
+    build.changed = changed
+    if changed and not quiet:
+        print("diloco tables: numbers that differ from the committed ones at the printed precision:")
+        for line in changed:
+            print(f"  {line}")
+    written = sorted(p for p in set(touched) if p.exists())
+    if not quiet:
+        print(f"diloco tables: {len(df)} run(s) from {root} → {len(written)} file(s) in {out} "
+              f"({time.time() - t0:.0f} s)")
+    return written
+
+
+build.changed = []
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="diloco tables", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", required=True, help="folder of sweep outputs (diloco sweep --root)")
+    ap.add_argument("--out", default="results", help="where the tables and plots go (default results/)")
+    ap.add_argument("--eval-noise", nargs="+", metavar="WORKDIR",
+                    help="instead: the eval-set noise vs eval_batches of these runs' final θᵍ (first two: their gap)")
+    ap.add_argument("--eval-noise-batches", type=int, default=128)
+    args = ap.parse_args(argv)
+    if args.eval_noise:
+        t = eval_noise(args.eval_noise, args.eval_noise_batches)
+        print(markdown(t), end="")
+        return 0
+    try:
+        files = build(args.root, args.out)
+    except ConfigError as e:
+        print(f"diloco tables: bad input: {e}", file=sys.stderr)
+        return 2
+    for f in files:
+        print(f"  {f}")
+    return 0

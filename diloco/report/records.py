@@ -1,0 +1,206 @@
+"""Run records (config.json, summary.json, point.json, failed.json under a root) as one pandas row per
+run, folded over seeds, with the statistics the tables print (mean ± std, paired gaps), and the paper's
+numbers (results/paper/*.csv).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from diloco.outer import methods
+from diloco.sweep import base_name
+
+REPO = Path(__file__).resolve().parents[2]  # diloco/report/records.py → the repository
+PAPER_DIR = REPO / "results" / "paper"
+# Spec argument fields of the experiments that take several (experiments/<stem>.py:a,b,c).
+SPEC_ARGS = {"c4_scaling": ("scale", "label", "M"), "claims": ("scale", "label", "M"), "dolma_overtraining": ("scale", "tokens", "label", "M"),
+             "ablate_compression": ("scale", "scheme"), "ablate_replicas": ("scale", "M", "fixed"),
+             "ablate_H": ("scale", "variant"), "fedpart": ("scale", "freeze")}
+CONFIG_COLS = ("scale", "method", "H", "tau", "replica_tau", "alpha", "codec", "codec_keep_fraction",
+               "layers_per_fragment", "pattern", "replicas", "batch_size", "seq_len", "steps", "freeze_non_syncing")
+SUMMARY_COLS = ("final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "syncs", "params", "fragments",
+                "tokens", "wall_seconds")
+TASKS = ("hellaswag", "piqa", "arc_easy")
+
+
+# -- loading -----------------------------------------------------------------------------------------
+def read_json(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _sweep_order(point: dict, cache: dict) -> dict:
+    """{point name: index} in the sweep file's own order (for tables/plots), {} if unavailable."""
+    key = (point.get("sweep_file"), point.get("sweep_arg"))
+    if key not in cache:
+        try:
+            from diloco.sweep import load_sweep
+
+            s = load_sweep(f"{key[0]}:{key[1]}" if key[1] else key[0])
+            cache[key] = {p["name"]: i for i, p in enumerate(s["points"])}
+        except Exception:  # the sweep file moved or changed: fall back to sorting by the axes
+            cache[key] = {}
+    return cache[key]
+
+
+def load_runs(root: str | Path) -> pd.DataFrame:
+    """One row per run folder (a folder with config.json) anywhere under root."""
+    rows, orders = [], {}
+    for cfg_path in sorted(Path(root).rglob("config.json")):
+        wd = cfg_path.parent
+        if "ckpt" in wd.parts:
+            continue
+        cfg = read_json(cfg_path) or {}
+        if "method" not in cfg:
+            continue
+        point = read_json(wd / "point.json") or {}
+        summ = read_json(wd / "summary.json")
+        failed = read_json(wd / "failed.json")
+        base, seed = base_name(wd.name)
+        sf = point.get("sweep_file", "")
+        if sf:
+            sf = str(Path(sf).relative_to(REPO)) if Path(sf).is_absolute() and REPO in Path(sf).parents else sf
+            sf += f":{point['sweep_arg']}" if point.get("sweep_arg") else ""
+        row = {"sweep": point.get("sweep", wd.parent.name), "point": wd.name, "workdir": str(wd),
+               "base_point": point.get("base_point", base), "seed": point.get("seed", cfg.get("seed", seed)),
+               "sweep_file": sf,
+               "finished": time.strftime("%Y-%m-%d %H:%M", time.gmtime((wd / "summary.json").stat().st_mtime))
+               if summ else "",
+               "status": "done" if summ else ("failed" if failed else "incomplete"),
+               "spec": point.get("spec", ""), "command": point.get("command", "")}
+        row.update({k: cfg.get(k) for k in CONFIG_COLS})
+        row["outer_lr"] = (cfg.get("outer") or {}).get("lr") if cfg.get("method") != "dp" else None
+        row["label"] = methods.paper_label(cfg)
+        stem, _, arg = row["spec"].partition(":")
+        stem = Path(stem).stem
+        for name, val in zip(SPEC_ARGS.get(stem, ()), arg.split(",") if arg else ()):
+            row[f"arg_{name}"] = val
+        if "arg_label" in row:  # the paper's name for the setting (toy twins shrink H 3×)
+            row["label"] = methods.label_of(row["arg_label"])
+        for k, v in (point.get("point") or {}).items():
+            if k != "arg":
+                row[f"ax_{k}"] = v
+        row["point_index"] = _sweep_order(point, orders).get(wd.name) if point.get("sweep_file") else None
+        row["axis_order"] = ",".join(f"ax_{k}" for k in point.get("axes", point.get("point") or {}) if k != "arg")
+        if summ:
+            row.update({k: summ.get(k) for k in SUMMARY_COLS})
+            row["H"] = summ.get("H")  # None for DP
+            sizes = summ.get("fragment_sizes") or []
+            row["largest_fragment_share"] = max(sizes) / sum(sizes) if sizes else 1.0
+            for t in TASKS:
+                row[t] = (summ.get("downstream") or {}).get(t, {}).get("acc") if isinstance(
+                    (summ.get("downstream") or {}).get(t), dict) else (summ.get("downstream") or {}).get(t)
+        if failed:
+            row["error"] = (failed.get("error_tail") or "").splitlines()[-1:] or [""]
+            row["error"] = row["error"][0][:200]
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    order = {"data_parallel": 0, "diloco": 1, "streaming": 2}
+    df["_o"] = [order.get(l.split("_h")[0].split("_")[0] if l != "data_parallel" else l, 3) for l in df.label]
+    df["_h"] = pd.to_numeric(df.label.str.rsplit("_h", n=1).str[-1], errors="coerce")
+    df = df.sort_values(["sweep", "_o", "_h", "point"], kind="stable").drop(columns=["_o", "_h"])
+    df = df.reset_index(drop=True)
+    for c in ("final_eval_loss", *TASKS):
+        if c not in df:
+            df[c] = np.nan
+    return df
+
+
+# -- seeds: mean ± std, paired gaps ---------------------------------------------------------------------
+# A row of a table is one setting (a sweep point) over its seeds. Its eval loss is printed as
+# mean ± sample standard deviation (ddof=1) over the n seeds. A gap between two settings is the mean
+# over seeds of the per-seed gap (paired: seed s of both rows shares its initialisation and data
+# order), and its uncertainty is twice the standard error of that mean, 2·sd/√n (≈ a 95 % interval
+# for large n; conservative-ish but not a t-interval for n = 2–3). A gap is called a difference only
+# when |gap| > its uncertainty; with fewer than 2 paired seeds it is never called one.
+def mean_std(values) -> tuple[float, float, int]:
+    """(mean, sample std with ddof=1 — NaN below 2 values, n) of the finite values."""
+    v = np.array([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if not len(v):
+        return np.nan, np.nan, 0
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else np.nan, len(v)
+
+
+def paired_gap_pct(a: dict, b: dict) -> tuple[float, float, int]:
+    """Gap of a over b in %, paired by seed: (mean of 100·(a_s/b_s − 1), 2·sd/√n, n); the uncertainty
+    is NaN with fewer than 2 shared seeds (then n=1 gives the one gap, n=0 NaN)."""
+    common = sorted(set(a) & set(b))
+    d = [100.0 * (a[s] / b[s] - 1.0) for s in common if b[s]]
+    if not d:
+        return np.nan, np.nan, 0
+    m, sd, n = mean_std(d)
+    return m, (2.0 * sd / math.sqrt(n) if n > 1 else np.nan), n
+
+
+def paired_diff(a: dict, b: dict) -> tuple[float, float, int]:
+    """Like paired_gap_pct on the plain differences a_s − b_s (loss units)."""
+    common = sorted(set(a) & set(b))
+    d = [a[s] - b[s] for s in common]
+    if not d:
+        return np.nan, np.nan, 0
+    m, sd, n = mean_std(d)
+    return m, (2.0 * sd / math.sqrt(n) if n > 1 else np.nan), n
+
+
+def is_difference(gap: float, unc: float) -> bool | None:
+    """True/False when the uncertainty is known (|gap| > unc), None when it is not (n < 2)."""
+    if gap is None or unc is None or not np.isfinite(gap) or not np.isfinite(unc):
+        return None
+    return bool(abs(gap) > unc)
+
+
+def collapse(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (sweep, base point): its seeds' runs folded. final_eval_loss becomes the mean over
+    the finished seeds, with eval_loss_std, n (finished seeds), seeds ("0,1,2") and losses ({seed:
+    loss}, for paired gaps); other columns are seed 0's (or the first run's)."""
+    if df.empty:
+        return df
+    rows = []
+    for (_, _), g in df.groupby(["sweep", "base_point"], sort=False):
+        g = g.sort_values("seed", kind="stable")
+        done = g[g.status == "done"]
+        first = (done if len(done) else g).iloc[0].to_dict()
+        losses = {int(r.seed): float(r.final_eval_loss) for r in done.itertuples()
+                  if r.final_eval_loss is not None and np.isfinite(r.final_eval_loss)}
+        m, sd, n = mean_std(losses.values())
+        first.update(point=first["base_point"], final_eval_loss=m, eval_loss_std=sd, n=n, losses=losses,
+                     seeds=",".join(str(k) for k in losses), status="done" if n else first["status"],
+                     finished=max((f for f in done.get("finished", pd.Series(dtype=str)) if f), default=""))
+        for t in TASKS:
+            if t in done:
+                first[t] = mean_std(done[t].tolist())[0] if done[t].notna().any() else np.nan
+        rows.append(first)
+    return pd.DataFrame(rows).reset_index(drop=True)
+
+
+def metrics(workdir: str) -> pd.DataFrame:
+    p = Path(workdir) / "metrics.jsonl"
+    rows = []
+    if p.exists():
+        for line in p.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+    return pd.DataFrame(rows)
+
+
+def paper(name: str) -> pd.DataFrame:
+    return pd.read_csv(PAPER_DIR / f"{name}.csv")
+
+
+def agg_runs(runs: pd.DataFrame | None, sweep: str, base_point: str) -> list[dict]:
+    """[{seed, workdir}] of the finished runs in `runs` (load_runs) behind one row of collapse()."""
+    if runs is None or runs.empty:
+        return []
+    g = runs[(runs.sweep == sweep) & (runs.base_point == base_point) & (runs.status == "done")]
+    return g[["seed", "workdir"]].to_dict("records")
