@@ -1,0 +1,51 @@
+"""`diloco compile --config SPEC --topology v5e:2x2 [--slices K] [--json]`: prove a run fits a TPU slice.
+
+On this CPU machine, libtpu describes a real TPU topology (`jax.experimental.topologies`); the
+project's own Trainer is built on those devices and each of its programs is lowered and compiled
+ahead of time with abstract arguments (nothing is allocated, no TPU is needed):
+
+  inner           one AdamW step per replica (Trainer.inner_step)
+  send/update/merge p   every fragment's outer operations (OuterDriver.program)
+  eval            the evaluation loss on θᵍ (Trainer.eval_fn)
+
+For each: per-chip HBM (arguments, temporaries, outputs, peak) from `memory_analysis()`, FLOPs from
+`cost_analysis()`, compile seconds, and every collective parsed from the compiled HLO (kind, operand
+bytes, the mesh axes its groups span, whether it crosses slices). Exit 1 when the run does not fit.
+
+The package, by job: `hlo` reads the compiled HLO text (collectives, trip counts, FLOPs, what the
+schedule overlaps), `overlap` holds the TPU overlap flags and the compute-utilisation model of the
+cross-slice exchange, `aot` compiles the Trainer's programs and builds the report, `paper_table` the
+per-device memory table at the paper's scales, `cli` the command line. The names below are the
+package's interface (`from diloco.compile import …`, `diloco.compile.main`).
+"""
+
+from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, INSTALL_HINT, compile_one, compile_trainer, eval_batch_sharding,
+                                eval_param_sharding, model_flops_per_step, per_chip_bytes, report, text_report,
+                                tpu_devices)
+from diloco.compile.cli import main
+from diloco.compile.hlo import (annotate_overlap, computation_flops, entry_flops, hlo_computations, instruction_runs,
+                                op_flops, parse_collectives, scheduled_overlap, shape_bytes, slice_axes, while_trips)
+from diloco.compile.overlap import (CHIP_PEAK_TFLOPS, TPU_OVERLAP_FLAGS, exchange_collectives, overlap_report,
+                                    overlapping, parse_bandwidth, predict_cu, use_tpu_overlap_flags)
+from diloco.compile.paper_table import (CSV_FIELDS, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES, TABLE_HEADROOM,
+                                        TABLE_MFU, compile_row, device_hbm, devices_per_chip, estimate_bytes,
+                                        paper_config, paper_table, paper_table_main, read_table, slice_devices,
+                                        table_row, write_table)
+
+__all__ = [
+    # aot
+    "CHIP_HBM_BYTES", "GiB", "INSTALL_HINT", "compile_one", "compile_trainer", "eval_batch_sharding",
+    "eval_param_sharding", "model_flops_per_step", "per_chip_bytes", "report", "text_report", "tpu_devices",
+    # cli
+    "main",
+    # hlo
+    "annotate_overlap", "computation_flops", "entry_flops", "hlo_computations", "instruction_runs", "op_flops",
+    "parse_collectives", "scheduled_overlap", "shape_bytes", "slice_axes", "while_trips",
+    # overlap
+    "CHIP_PEAK_TFLOPS", "TPU_OVERLAP_FLAGS", "exchange_collectives", "overlap_report", "overlapping",
+    "parse_bandwidth", "predict_cu", "use_tpu_overlap_flags",
+    # paper_table
+    "CSV_FIELDS", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM", "TABLE_MFU",
+    "compile_row", "device_hbm", "devices_per_chip", "estimate_bytes", "paper_config", "paper_table",
+    "paper_table_main", "read_table", "slice_devices", "table_row", "write_table",
+]

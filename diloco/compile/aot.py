@@ -1,0 +1,224 @@
+"""Ahead-of-time compilation of a Trainer's programs for a TPU topology described by libtpu (no TPU
+needed): per-chip memory, FLOPs and collectives of each program, the report and its text form."""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from diloco.compile.hlo import annotate_overlap, entry_flops, parse_collectives
+from diloco.compile.overlap import overlap_report
+from diloco.errors import ConfigError
+
+GiB = 1 << 30
+# HBM per chip (Cloud TPU system architecture pages): v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB.
+# XLA keeps a little for itself (the usable limit it reports is ≈ 0.25 GiB lower).
+CHIP_HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+INSTALL_HINT = "diloco compile needs libtpu (it compiles for TPU on this machine): pip install -e '.[tpu]'"
+
+
+# -- topology ------------------------------------------------------------------------------------
+def tpu_devices(topology: str, slices: int = 1) -> list:
+    """The devices of a TPU topology described by libtpu (no TPU needed), slice by slice."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu's lock
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")          # no GCE metadata server here
+    chip = topology.split(":")[0]
+    if chip not in CHIP_HBM_BYTES:
+        raise ConfigError("--topology", f"{topology!r}: unknown chip {chip!r}; use NAME:SHAPE with NAME one of "
+                          f"{sorted(CHIP_HBM_BYTES)}, e.g. v5e:2x2, v5p:2x2x2, v4:2x2x2")
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ConfigError("--topology", INSTALL_HINT) from None
+    from jax.experimental import topologies
+
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, num_slices=slices)
+    except Exception as e:  # libtpu's own message, on one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("--topology", f"libtpu does not know {topology!r} (slices={slices}): {first}") from None
+    return sorted(desc.devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))
+
+
+# -- compiling the trainer's programs ------------------------------------------------------------
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (the largest shard per leaf)."""
+    import jax
+
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> dict:
+    """Lower and compile one program; its memory, FLOPs and collectives (hlo_dir: also write its
+    scheduled HLO text there, as `diloco compile --hlo-dir` does)."""
+    t0 = time.time()
+    lowered = jitted.lower(*args)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # XLA's RESOURCE_EXHAUSTED: does not fit
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return {"program": name, "compiled": False, "error": msg[:500], "compile_seconds": time.time() - t0,
+                "fits": False}
+    secs = time.time() - t0
+    ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    mem = {"argument_bytes": int(ma.argument_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes),
+           "alias_bytes": int(ma.alias_size_in_bytes), "temp_bytes": int(ma.temp_size_in_bytes),
+           "code_bytes": int(ma.generated_code_size_in_bytes)}
+    peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+    mem["peak_bytes"] = max(peak, mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
+                            + mem["temp_bytes"])
+    hlo = compiled.as_text()
+    if hlo_dir:  # `--hlo-dir`: the scheduled program, to read what the report summarises
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / (re.sub(r"[^\w.+-]+", "_", name) + ".hlo.txt")).write_text(hlo)
+    return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
+            "flops": float(cost.get("flops", 0.0)),  # XLA's cost analysis: a while body (nn.scan) counted once
+            "hlo_flops": entry_flops(hlo),  # dots/convolutions from the HLO, loop bodies × trip count
+            # custom kernels in the program (tpu_custom_call: a Pallas/Mosaic kernel such as splash attention)
+            "custom_calls": sorted(set(re.findall(r'custom_call_target="([\w.\-]+)"', hlo))),
+            "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
+
+
+def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | None = None) -> dict:
+    """Build the Trainer on `devices` and compile its programs (all, or those named in `only`; each one's
+    HLO text written under `hlo_dir` when given)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from diloco.trainer import Trainer
+
+    tr = Trainer(cfg, devices=devices)
+    mesh = tr.mesh
+    repl = NamedSharding(mesh, P())
+    state = tr.abstract_state()
+    L = cfg.seq_len
+    batch = jax.ShapeDtypeStruct((tr.R, cfg.batch_size // tr.R, L), jnp.int32, sharding=tr.batch_sharding)
+    todo = [("inner", jax.jit(tr.inner_step(), donate_argnums=(0,)), (state, batch))]
+    if tr.driver is not None:
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl)
+        contrib = jax.ShapeDtypeStruct((tr.R,), jnp.float32, sharding=repl)
+        mask = jax.ShapeDtypeStruct((tr.R,), jnp.bool_, sharding=repl)
+        for p in range(tr.driver.P):
+            if tr.driver.in_step:  # the send's exchange rides on the next inner step (OuterDriver.step_program)
+                todo.append((f"step+send {p}", tr.driver.step_program(tr.inner_step(), p), (state, batch, key, contrib)))
+            todo += [(f"send {p}", tr.driver.program("send", p), (state, key, contrib)),
+                     (f"update {p}", tr.driver.program("update", p), (state,)),
+                     (f"merge {p}", tr.driver.program("merge", p), (state, mask))]
+    eparams = state.outer.params if state.outer is not None else jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x, path)),
+        state.params)
+    ebatch = jax.ShapeDtypeStruct((cfg.batch_size // tr.R * tr.R, L), jnp.int32, sharding=eval_batch_sharding(tr))
+    todo.append(("eval", tr.eval_fn(), (eparams, ebatch)))
+    state_bytes = per_chip_bytes(state)
+    eval_param_bytes = per_chip_bytes(todo[-1][2][0])
+    out = []
+    for name, fn, args in todo:
+        if only is not None and name not in only:
+            continue
+        r = compile_one(name, fn, args, mesh, hlo_dir)
+        if r["compiled"]:
+            # programs run one after another while the whole state stays resident: eval's arguments
+            # are only θᵍ, so the rest of the state is added to its peak.
+            resident = state_bytes - eval_param_bytes if name == "eval" else 0
+            r["memory"]["resident_bytes"] = resident
+            r["peak_bytes_per_chip"] = r["memory"]["peak_bytes"] + resident
+        out.append(r)
+    return {"trainer": tr, "state_bytes_per_chip": state_bytes, "programs": out}
+
+
+def eval_batch_sharding(tr):
+    """The eval batch's sharding (the Trainer's if it has one, else replicated)."""
+    return getattr(tr, "eval_batch_sharding", tr.repl_sharding)
+
+
+def eval_param_sharding(tr, x, path=None):
+    """DP's evaluated parameters (one replica's, no replica axis): laid out by the logical rules like θᵍ
+    (before 2026-11-30 the names were not passed, so they were compiled whole on every chip)."""
+    fn = getattr(tr, "outer_param_sharding", None)
+    names = tr.names_at(path) if path is not None and hasattr(tr, "names_at") else None
+    return fn(x.shape[1:], names) if fn else tr.repl_sharding
+
+
+def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hlo_dir: str | None = None) -> dict:
+    from diloco.config import validate
+
+    devices = tpu_devices(topology, slices)
+    validate(cfg, check_data=False, num_devices=len(devices))
+    hbm = CHIP_HBM_BYTES[topology.split(":")[0]]
+    got = compile_trainer(cfg, devices, only, hlo_dir)
+    tr, progs = got["trainer"], got["programs"]
+    for r in progs:
+        if r["compiled"]:
+            r["fits"] = r["peak_bytes_per_chip"] <= hbm
+    peak = max((r.get("peak_bytes_per_chip", 0) for r in progs), default=0)
+    colls = [dict(c, program=r["program"]) for r in progs for c in r.get("collectives", [])]
+    return {"topology": topology, "slices": slices, "chips": len(devices), "chip_kind": devices[0].device_kind,
+            "chip_hbm_bytes": hbm, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
+            "H": cfg.H, "tau": cfg.tau, "exchange": tr.driver.exchange if tr.driver is not None else "dp",
+            "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
+            "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
+            "model_flops_per_chip": (model_flops_per_step(cfg, tr.n_params) / len(devices)
+                                     if tr.mcfg.scan else None),  # cost analysis undercounts a scan
+            "fits": all(r["fits"] for r in progs), "programs": progs, "collectives": colls,
+            "bytes_per_replica": ({p: tr.driver.bytes_per_replica(p) for p in range(tr.driver.P)}
+                                  if tr.driver is not None else {}),
+            "wire_bytes_per_replica": ({p: tr.sync.wire_bytes_per_replica(p) for p in range(tr.driver.P)}
+                                       if tr.driver is not None else {}),
+            # chips of a replica that split each fragment's exchange (1: every chip moves all of it)
+            "exchange_shards": ({p: tr.sync.shards(tr.sync.frags.sizes[p]) for p in range(tr.driver.P)}
+                                if tr.driver is not None else {})}
+
+
+def _gb(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 4 else f"{n / (1 << 20):.2f} MiB"
+
+
+def text_report(rep: dict) -> str:
+    lines = [f"{rep['method']} {rep['scale']} ({rep['params']:,} params) on {rep['topology']}"
+             f"{' ×' + str(rep['slices']) + ' slices' if rep['slices'] > 1 else ''}: {rep['chips']} chips "
+             f"({rep['chip_kind']}, {_gb(rep['chip_hbm_bytes'])} HBM each), mesh {rep['mesh']}",
+             f"state per chip {_gb(rep['state_bytes_per_chip'])}; peak per chip {_gb(rep['peak_bytes_per_chip'])} "
+             f"→ {'fits' if rep['fits'] else 'DOES NOT FIT'}", "",
+             f"{'program':<10} {'args':>10} {'temp':>10} {'out':>10} {'peak':>10} {'fits':>5} {'compile s':>9} "
+             f"{'GFLOP':>10}  collectives"]
+    for r in rep["programs"]:
+        if not r["compiled"]:
+            lines.append(f"{r['program']:<10} did not compile: {r['error']}")
+            continue
+        m = r["memory"]
+        agg: dict[tuple, list[int]] = {}
+        for c in r["collectives"]:
+            k = (c["kind"], "×".join(c["axes"]) or "-", c["crosses_slices"], c["async"])
+            agg.setdefault(k, [0, 0])
+            agg[k][0] += c.get("count", 1)  # runs per step (a collective in a layer loop: once per layer)
+            agg[k][1] += c["operand_bytes"] * c.get("count", 1)
+        cs = "; ".join(f"{n}× {kind}{' async' if asy else ''} over {ax}{' (DCN)' if dcn else ''}: {b:,} B"
+                       for (kind, ax, dcn, asy), (n, b) in agg.items())
+        lines.append(f"{r['program']:<10} {_gb(m['argument_bytes']):>10} {_gb(m['temp_bytes']):>10} "
+                     f"{_gb(m['output_bytes']):>10} {_gb(r['peak_bytes_per_chip']):>10} {'yes' if r['fits'] else 'NO':>5} "
+                     f"{r['compile_seconds']:>9.1f} {r['flops'] / 1e9:>10.2f}  {cs or '-'}")
+    ov = overlap_report(rep)
+    if ov:
+        lines += ["", ov]
+    lines += ["", f"exchange {rep.get('exchange')}; LIBTPU_INIT_ARGS: {rep.get('libtpu_init_args') or '(none)'}"]
+    return "\n".join(lines)
+
+
+# -- model FLOPs (the report's model_flops_per_chip; the paper table's step time) ------------------
+def model_flops_per_step(cfg, n_params: int) -> float:
+    """Model FLOPs of one training step (the MFU convention: 6 per parameter per token, plus the
+    attention scores' 12·layers·d_model·seq per token; rematerialisation is not counted)."""
+    from diloco.model.scales import SCALES
+
+    s = SCALES[cfg.scale]
+    return float(cfg.batch_size * cfg.seq_len) * (6.0 * n_params + 12.0 * s.layers * s.d_model * cfg.seq_len)
