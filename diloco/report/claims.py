@@ -4,14 +4,13 @@ written to results/claims.md.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from diloco.report.records import agg_runs, paired_diff, paired_gap_pct, paper
-from diloco.report.tables import which_params_eval
+from diloco.report.records import paired_diff, paired_gap_pct, paper
+from diloco.report.tables import which_params_by_seed
 from diloco.report.write import KEYS, markdown, merge_committed, provenance, provenance_text, write_if_changed
 
 
@@ -137,16 +136,9 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         # Table 3's ordering, from the final method's checkpoints (drained), paired by seed.
         r = by.get("streaming_ovl_fp4_h30")
         if r is not None:
-            wps = {}
-            for run in agg_runs(run_records, sweep, r.point):
-                try:
-                    wps[int(run["seed"])] = which_params_eval(run["workdir"])
-                except Exception as e:  # no checkpoint: no Table 3 row from this seed
-                    print(f"diloco tables: claims: which_params {run['workdir']}: {e}", file=sys.stderr)
-            if wps:
-                first = {s: v["first_replica"] for s, v in wps.items()}
-                avg = {s: v["replica_average"] for s, v in wps.items()}
-                outer = {s: v["outer_params"] for s, v in wps.items()}
+            ev = which_params_by_seed(run_records, sweep, r.point)
+            if ev:
+                first, avg, outer = ev["first_replica"], ev["replica_average"], ev["outer_params"]
                 hadd("Table 3: θᵍ beats the first replica", "Table 3", runs, *paired_gap_pct(first, outer),
                     (0.0, np.inf), f"first replica {pg(wp['first_replica'], wp['outer_params']):+.2f}% over θᵍ",
                     "drained θᵍ; first replica minus θᵍ")

@@ -210,6 +210,19 @@ def eval_noise(workdirs: list[str], batches: int = 128) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def which_params_by_seed(run_records: pd.DataFrame, sweep: str, point: str) -> dict[str, dict[int, float]]:
+    """{first_replica | replica_average | outer_params: {seed: eval loss}} over a setting's finished
+    seeds (which_params_eval of each); a seed without a readable checkpoint is left out, {} if all are."""
+    wps = {}
+    for run in agg_runs(run_records, sweep, point):
+        try:
+            wps[int(run["seed"])] = which_params_eval(run["workdir"])
+        except Exception as e:  # no readable checkpoint: that seed is left out
+            print(f"diloco tables: which_params {run['workdir']}: {e}", file=sys.stderr)
+    return {k: {s: v[k] for s, v in wps.items()} for k in ("first_replica", "replica_average", "outer_params")
+            } if wps else {}
+
+
 def table3(df: pd.DataFrame) -> pd.DataFrame:
     runs = df[df.sweep.str.startswith("which_params") & (df.status == "done")]
     if runs.empty:
@@ -238,15 +251,9 @@ def table3_outer_lr(agg: pd.DataFrame, run_records: pd.DataFrame) -> pd.DataFram
     the per-run records (load_runs) behind `agg`, for each seed's checkpoint."""
     out = []
     for r in agg[agg.sweep.str.startswith("claims_table3_") & (agg.status == "done")].itertuples():
-        wps = {}
-        for run in agg_runs(run_records, r.sweep, r.point):
-            try:
-                wps[int(run["seed"])] = which_params_eval(run["workdir"])
-            except Exception as e:  # no readable checkpoint: that seed is left out
-                print(f"diloco tables: table3_outer_lr: {run['workdir']}: {e}", file=sys.stderr)
-        if not wps:
+        ev = which_params_by_seed(run_records, r.sweep, r.point)
+        if not ev:
             continue
-        ev = {k: {s: v[k] for s, v in wps.items()} for k in ("first_replica", "replica_average", "outer_params")}
         row = {"sweep": r.sweep, "outer_lr": float(r.outer_lr), "alpha": float(r.alpha), "tau": int(r.tau),
                "steps": int(r.steps)}
         row["outer_params"], row["outer_params_std"], row["n"] = mean_std(list(ev["outer_params"].values()))
