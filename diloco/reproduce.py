@@ -11,8 +11,8 @@ sweep point under --root, so an interrupted reproduce picks up where it stopped.
 
 The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter, one seed), so its
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
-claims sweeps (sweeps/claims.py: headline, τ×α and the pattern ablation on toy, 3 seeds each; then
-the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
+claims sweeps (sweeps/claims.py: headline, τ×α, the pattern ablation on toy and Table 3 by outer lr,
+3 seeds each; then the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
 resumes where it stopped. Regenerating never drops a committed table or row (diloco/report/).
 """
 from __future__ import annotations
@@ -230,7 +230,8 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
 # -- --full: the claims table at the paper-like budget --------------------------------------------------
 FULL_PLAN = [("tune_inner_lr", "sweeps/tune_inner_lr.py:tiny"), ("tune_outer_lr", "sweeps/tune_outer_lr.py:tiny"),
              ("claims_headline", "sweeps/claims.py:headline,tiny"), ("claims_tau_alpha", "sweeps/claims.py:tau_alpha,tiny"),
-             ("claims_pattern", "sweeps/claims.py:pattern,toy"), ("claims_headline_toy", "sweeps/claims.py:headline,toy")]
+             ("claims_pattern", "sweeps/claims.py:pattern,toy"), ("claims_table3", "sweeps/claims.py:table3,tiny"),
+             ("claims_headline_toy", "sweeps/claims.py:headline,toy")]
 # Seconds per training step of one run while two run at once on 2 shared cores (measured: tiny 990 steps
 # ≈ 120 s, toy 240 steps ≈ 230 s), used until the root has finished runs of that scale to measure.
 SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
