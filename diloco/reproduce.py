@@ -12,8 +12,9 @@ sweep point under --root, so an interrupted reproduce picks up where it stopped.
 The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter, one seed), so its
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
 claims sweeps (sweeps/claims.py: headline, τ×α, the pattern ablation on toy and Table 3 by outer lr,
-3 seeds each; then the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it estimates the total time up front, shows a progress bar, and
-resumes where it stopped. Regenerating never drops a committed table or row (diloco/report/).
+3 seeds each; then the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it
+estimates the total time up front, shows a progress bar, and resumes where it stopped.
+Regenerating never drops a committed table or row (diloco/report/).
 """
 from __future__ import annotations
 
@@ -245,16 +246,17 @@ def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: i
     over `workers`."""
     from diloco.config import load_config
 
-    measured: dict[str, list[float]] = {}
+    by_sweep: dict[str, list[float]] = {}
+    by_scale: dict[str, list[float]] = {}
     for p in root.glob("*/*/summary.json"):
         try:
             s = json.loads(p.read_text())
             c = json.loads((p.parent / "config.json").read_text())
             per = float(s["wall_seconds"]) / float(c["steps"])
-            measured.setdefault(c["scale"], []).append(per)
-            measured.setdefault(f"sweep:{p.parent.parent.name}", []).append(per)
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             continue
+        by_scale.setdefault(c["scale"], []).append(per)
+        by_sweep.setdefault(p.parent.parent.name, []).append(per)
     total, n = 0.0, 0
     for _, _, s in loaded:
         for pt in s["points"]:
@@ -265,8 +267,7 @@ def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: i
                 scale, steps = cfg.scale, cfg.steps
             except Exception:
                 scale, steps = "tiny", 1000
-            per = (sorted(measured.get(f"sweep:{s['name']}", [])) or sorted(measured.get(scale, []))
-                   or [SECONDS_PER_STEP.get(scale, 1.0)])
+            per = sorted(by_sweep.get(s["name"]) or by_scale.get(scale) or [SECONDS_PER_STEP.get(scale, 1.0)])
             total += per[len(per) // 2] * steps + 10.0  # + start-up and compile
             n += 1
     return total / max(1, workers), n

@@ -15,8 +15,8 @@ tau_alpha: the final method at H=30 (→ 10) with τ ∈ {0, 1, 5} × α ∈ {0,
 table3:   why Table 3's ordering (θᵍ vs the replicas) differs from the paper's: the final method at
           outer lr 0.1 (tuned), 0.4 (the paper's) and 1.0 (plain averaging in steady state).
 pattern:  strided vs sequential at 3 blocks per fragment, P = 2 (toy: 6 blocks) — tiny's 3 blocks
-          cannot have ≥ 2 blocks per fragment and P ≥ 2; toy at 20 tokens/parameter (3,130 steps)
-          does not fit a 2-core budget, so this group runs toy's quick budget (240 steps).
+          cannot have ≥ 2 blocks per fragment and P ≥ 2; this group runs toy's quick budget (240
+          steps): 6 more toy runs at 3,130 steps (≈20 min each) were left for the headline's.
 """
 from diloco.sweep import product
 
