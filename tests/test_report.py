@@ -215,6 +215,19 @@ def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):
     (row,) = c[c.claim.str.startswith("The gap to DP shrinks")].itertuples()
     assert row.runs == "claims_headline_tiny + claims_headline_toy" and row.n == 2
     assert math.isclose(row.ours_gap_pct, 2.0, rel_tol=1e-9)
+    # then `diloco reproduce` (the quick budget only) into the same out/: it regenerates the quick budget's
+    # trend as its own row (tiny 10 %, toy 10 %: 0 pp) and keeps the claims budget's row it cannot remake
+    quick = tmp_path / "quick"
+    for scale in ("tiny", "toy"):
+        for m, loss in (("dp", 2.0), ("streaming_ovl_fp4_h30", 2.2)):
+            _record(quick, "c4_scaling_tiny+toy", f"{scale}+{m}", f"experiments/c4_scaling.py:{scale},{m}", loss,
+                    arg="tiny+toy")
+    report.build(quick, tmp_path / "out", quiet=True)
+    c = pd.read_csv(tmp_path / "out" / "claims.csv").set_index("claim")
+    kept = c.loc["The gap to DP shrinks as scale grows (tiny → toy)"]
+    assert kept.runs == "claims_headline_tiny + claims_headline_toy" and math.isclose(kept.ours_gap_pct, 2.0)
+    new = c.loc["The gap to DP shrinks as scale grows (tiny → toy) — quick budget"]
+    assert new.runs == "c4_scaling_tiny+toy" and new.n == 1 and abs(new.ours_gap_pct) < 1e-9
 
 
 def _which_params(wd, first, avg, outer):  # a drained which_params.json, as report.which_params_eval caches it

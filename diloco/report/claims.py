@@ -198,7 +198,10 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
         if "tiny" in d and "toy" in d:
             (g1, u1, n1), (g2, u2, n2) = d["tiny"], d["toy"]
             u = math.sqrt(u1 ** 2 + u2 ** 2) if np.isfinite(u1) and np.isfinite(u2) else np.nan
-            add("The gap to DP shrinks as scale grows (tiny → toy)", "Table 5", f"{sweep}",
+            # the two budgets' trends are different rows: a quick-budget build (`diloco reproduce`)
+            # must not replace the claims budget's committed row, which it cannot regenerate
+            quick = "" if sweep.startswith("claims_headline") else " — quick budget"
+            add(f"The gap to DP shrinks as scale grows (tiny → toy){quick}", "Table 5", f"{sweep}",
                 g1 - g2, u, min(n1, n2), (0.0, np.inf),
                 f"35M {paper_gap[0]:+.2f}% → 1B {paper_gap[1]:+.2f}% (H=30)",
                 "gap(tiny) − gap(toy), percentage points")
