@@ -1,8 +1,8 @@
 """The runs behind results/claims.md, at the claims budget (experiments/claims.py: ≈20 tokens per
 parameter, tuned lrs), each group a sweep whose rows differ from a neighbour in one factor.
 
-  diloco sweep sweeps/claims.py:headline,tiny --root runs/full     (3 seeds)
-  diloco sweep sweeps/claims.py:tau_alpha,tiny --root runs/full    (3 seeds)
+  diloco sweep sweeps/claims.py:headline,tiny --root runs/full     (8 seeds)
+  diloco sweep sweeps/claims.py:tau_alpha,tiny --root runs/full    (8 seeds)
   diloco sweep sweeps/claims.py:pattern,toy --root runs/full       (3 seeds; toy at its quick budget)
   diloco sweep sweeps/claims.py:headline,toy --root runs/full      (2 seeds; ≈20 min a run on 2 cores)
   diloco sweep sweeps/claims.py:table3,tiny --root runs/full       (3 seeds)
@@ -21,7 +21,7 @@ pattern:  strided vs sequential at 3 blocks per fragment, P = 2 (toy: 6 blocks) 
 from diloco.sweep import product
 
 GROUPS = ("headline", "tau_alpha", "pattern", "table3")
-SEEDS = {"headline": 3, "tau_alpha": 3, "pattern": 3, "table3": 3}
+SEEDS = {"headline": 8, "tau_alpha": 8, "pattern": 3, "table3": 3}
 SEEDS_AT = {("headline", "toy"): 2}  # toy's 3,130 steps take ≈20 min a run (two at a time on 2 cores)
 
 
