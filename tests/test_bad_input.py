@@ -22,6 +22,7 @@ class Bad:
     field: str
     message: str  # regex searched in str(error)
     method: str = "streaming"
+    devices: int | None = None  # also validate the mesh for this many devices (what a run does at start-up)
 
 
 # -- bad data files (each writer returns the overrides that point at it) -------------------------------
@@ -73,6 +74,29 @@ BAD = [
     Bad("inner_lr", {"optimizer.lr": -1.0}, "optimizer.lr", r"-1.0 must be > 0"),
     Bad("dtype", {"model.dtype": "int8"}, "model.dtype", r"'int8' is not one of"),
     Bad("diloco_with_tau", {"tau": 1}, "method", r"diloco is P=1, tau=0", method="diloco"),
+    Bad("spec_arg", {}, "config", r"experiments/toy.py:stream: choose dp, diloco or streaming", method="stream"),
+    Bad("zero_replicas", {"replicas": 0}, "replicas", r"0 must be ≥ 1"),
+    Bad("zero_log_every", {"log_every": 0}, "log_every", r"0 must be ≥ 1"),
+    Bad("zero_eval_every", {"eval_every": 0}, "eval_every", r"0 must be ≥ 1"),
+    Bad("zero_checkpoint_every", {"checkpoint_every": 0}, "checkpoint_every", r"0 must be ≥ 1"),
+    Bad("zero_eval_batches", {"eval_batches": 0}, "eval_batches", r"0 must be ≥ 1"),
+    Bad("zero_keep_checkpoints", {"keep_checkpoints": 0}, "keep_checkpoints", r"0 must be ≥ 1"),
+    Bad("data_readers", {"data_readers": 3}, "data_readers", r"3 must be 0 \(one reader per process\) or a divisor of "
+        r"the global batch 4"),
+    Bad("dp_grad_dtype", {"dp_grad_dtype": "int8"}, "dp_grad_dtype", r"'int8' is not one of", method="dp"),
+    Bad("remat_policy", {"model.remat_policy": "some"}, "model.remat_policy", r"'some' is not one of"),
+    Bad("splash_seq_len", {"model.attention": "splash"}, "model.attention",
+        r"splash tiles the sequence by 128; seq_len=32 is not a multiple"),
+    Bad("scan", {"model.scan": "maybe"}, "model.scan", r"'maybe' is not one of auto, true, false"),
+    Bad("eval_drain", {"eval_drain": "never"}, "eval_drain", r"'never' is not one of \('final', 'every'\)"),
+    Bad("in_step_without_tau", {"exchange": "in_step", "tau": 0}, "exchange", r"needs tau ≥ 1 \(got tau=0\)"),
+    Bad("mesh_rules", {"mesh.rules": "batch"}, "mesh.rules", r"'batch' is not name=axis"),
+    Bad("mesh_both_remaining", {"mesh.data": -1, "mesh.fsdp": -1}, "mesh.fsdp",
+        r"mesh.data and mesh.fsdp are both -1", devices=2),
+    Bad("mesh_data_not_divisor", {"mesh.data": 2, "mesh.fsdp": 2}, "mesh.data",
+        r"2 does not divide the 1 devices of one replica", devices=2),
+    Bad("replica_axis", {"mesh.replica_axis": 3}, "mesh.replica_axis", r"3 must divide both the 1 devices and replicas=2",
+        devices=1),
     # fault knobs
     Bad("nan_policy", {"faults.nan_policy": "ignore"}, "faults.nan_policy", r"'ignore' is not one of"),
     Bad("nan_replica", {"faults.nan_step": 2, "faults.nan_replica": 5}, "faults.nan_replica",
@@ -80,6 +104,7 @@ BAD = [
     Bad("nan_step_past_end", {"faults.nan_step": 999}, "faults.nan_step", r"999 must be a step in 1..steps=6"),
     Bad("nan_outer_on_dp", {"faults.nan_step": 2, "faults.nan_target": "outer"}, "faults.nan_target",
         r"'outer' needs method diloco or streaming", method="dp"),
+    Bad("nan_value", {"faults.nan_value": "zero"}, "faults.nan_value", r"'zero' is not one of \('nan', 'inf'\)"),
     Bad("miss_sync_without_step", {"faults.miss_sync_replica": 1}, "faults.miss_sync_step",
         r"set faults.miss_sync_step ≥ 1"),
     Bad("restart_on_dp", {"faults.restart_replica": 0, "faults.restart_step": 2}, "faults.restart_replica",
@@ -105,6 +130,8 @@ BAD = [
         r"the 'validation' split of .* is empty"),
     # downstream evaluation (runs late in a run, so it is checked up front)
     Bad("eval_task_unknown", {"downstream.tasks": "hellaswag2"}, "downstream.tasks", r"unknown task\(s\) \['hellaswag2'\]"),
+    Bad("eval_every_negative", {"downstream.tasks": "piqa", "downstream.every": -1}, "downstream",
+        r"every=-1 and limit=0 must be ≥ 0"),
     Bad("eval_data_missing", {"downstream.tasks": "piqa", "downstream.data_dir": "/nonexistent/eval"},
         "downstream.data_dir", r"piqa \(validation split\): no data under /nonexistent/eval"),
     Bad("eval_item_bad_label", lambda t: piqa_dir(t, [PIQA_OK, PIQA_OK], "0\n7\n"), "downstream.data_dir",
@@ -120,15 +147,55 @@ BAD = [
 
 @pytest.mark.parametrize("case", BAD, ids=[b.id for b in BAD])
 def test_bad_config_or_data_names_field_and_says_what_is_wrong(case: Bad, tmp_path):
+    from diloco.config import validate
+
     overrides = case.overrides(tmp_path) if callable(case.overrides) else case.overrides
     with pytest.raises(ConfigError) as e:
-        tiny_config(case.method, **overrides)
+        cfg = tiny_config(case.method, **overrides)
+        if case.devices:
+            validate(cfg, num_devices=case.devices)
     assert e.value.field == case.field, str(e.value)
     assert re.search(case.message, str(e.value), re.S), str(e.value)
 
 
-def test_the_table_is_big_enough():
-    assert len(BAD) >= 20 and len({b.id for b in BAD}) == len(BAD)
+def validator_fields() -> set[str]:
+    """Every field diloco/config.py can name in a ConfigError, read from its source: the string given to
+    ConfigError(...) or _one_of(cfg, ...), and the strings a `for` loop feeds to ConfigError(<loop var>)."""
+    import ast
+
+    from diloco import config
+
+    def name(call: ast.Call) -> str | None:
+        return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+
+    def text(node) -> list[str]:
+        return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+
+    fields: set[str] = set()
+    for node in ast.walk(ast.parse(Path(config.__file__).read_text())):
+        if isinstance(node, ast.Call) and name(node) == "ConfigError" and node.args:
+            fields.update(text(node.args[0]))
+        elif isinstance(node, ast.Call) and name(node) == "_one_of" and len(node.args) > 1:
+            fields.update(text(node.args[1]))
+        elif isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):
+            targets = [t.id for t in (node.target.elts if isinstance(node.target, ast.Tuple) else [node.target])
+                       if isinstance(t, ast.Name)]
+            for c in ast.walk(node):
+                if isinstance(c, ast.Call) and name(c) == "ConfigError" and c.args \
+                        and isinstance(c.args[0], ast.Name) and c.args[0].id in targets:
+                    i = targets.index(c.args[0].id)
+                    for e in node.iter.elts:
+                        fields.update(text(e.elts[i] if isinstance(e, ast.Tuple) else e))
+    return fields
+
+
+def test_every_field_the_validator_names_has_a_row():
+    """The table is the validator's: each field diloco/config.py can reject is a row above (a new check
+    without a row fails here), and the reading of the source found the checks (not an empty set)."""
+    fields = validator_fields()
+    assert {"H", "steps", "keep_checkpoints", "mesh.fsdp", "mesh.data", "model.attention", "config"} <= fields
+    assert sorted(fields - {b.field for b in BAD}) == []
+    assert len({b.id for b in BAD}) == len(BAD)
 
 
 # -- bad input outside the config values -----------------------------------------------------------
@@ -174,14 +241,6 @@ def test_override_without_config_prefix():
     with pytest.raises(ConfigError, match="unknown flag; overrides look like --config.key=value") as e:
         load_config("experiments/toy.py:dp", ["--steps=3"])
     assert e.value.field == "--steps"
-
-
-def test_replica_axis_that_does_not_divide_the_devices():
-    from diloco.config import validate
-
-    with pytest.raises(ConfigError, match=r"3 must divide both the 1 devices and replicas=2") as e:
-        validate(tiny_config("streaming", **{"mesh.replica_axis": 3}), num_devices=1)
-    assert e.value.field == "mesh.replica_axis"
 
 
 def test_resuming_a_workdir_with_a_different_config(tmp_path):
