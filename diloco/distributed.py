@@ -161,23 +161,30 @@ def device_grid(devices: list, shape: tuple[int, int, int]):
         return np.array(devices).reshape(shape)
     from jax.experimental import mesh_utils
 
-    from diloco.errors import ConfigError
-
     S = len(slices)
-    axis = next((i for i in range(3) if shape[i] % S == 0), None)
-    if axis is None:
-        raise ConfigError("replicas", f"the mesh (replica, data, fsdp)={shape} has no axis divisible by the {S} "
-                          "slices; use a number of replicas divisible by the slice count")
+    axis = slice_axis(shape, S)
     dcn = tuple(S if i == axis else 1 for i in range(3))
     ici = tuple(n // S if i == axis else n for i, n in enumerate(shape))
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
 
 
-def check_processes(replicas: int) -> None:
-    """Each process holds whole replicas, or a part of exactly one (a ConfigError otherwise)."""
+def slice_axis(shape: tuple[int, int, int], slices: int) -> int:
+    """The mesh axis that spans the slices: the first of (replica, data, fsdp) divisible by their count."""
     from diloco.errors import ConfigError
 
-    n = num_processes()
+    axis = next((i for i in range(3) if shape[i] % slices == 0), None)
+    if axis is None:
+        raise ConfigError("replicas", f"the mesh (replica, data, fsdp)={shape} has no axis divisible by the {slices} "
+                          "slices; use a number of replicas divisible by the slice count")
+    return axis
+
+
+def check_processes(replicas: int, n: int | None = None) -> None:
+    """Each of the n processes (default: this job's) holds whole replicas, or a part of exactly one
+    (a ConfigError otherwise)."""
+    from diloco.errors import ConfigError
+
+    n = num_processes() if n is None else n
     if n > 1 and replicas % n and n % replicas:
         good = sorted({d for d in range(1, replicas + 1) if replicas % d == 0} | {replicas * 2, replicas * 4})
         raise ConfigError("replicas", f"{n} processes do not divide replicas={replicas} (nor the other way round): "
