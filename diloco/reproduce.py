@@ -11,8 +11,8 @@ sweep point under --root, so an interrupted reproduce picks up where it stopped.
 
 The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter, one seed), so its
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
-claims sweeps (sweeps/claims.py: headline, τ×α, the pattern ablation on toy and Table 3 by outer lr,
-3 seeds each; then the headline at toy, 2 seeds, ≈20 min a run) and writes results/claims.md; it
+claims sweeps (sweeps/claims.py: headline and τ×α at 8 seeds, the pattern ablation on toy and Table 3
+by outer lr at 3; then the headline at toy, 3 seeds, ≈20 min a run) and writes results/claims.md; it
 estimates the total time up front, shows a progress bar, and resumes where it stopped.
 Regenerating never drops a committed table or row (diloco/report/).
 """
@@ -378,7 +378,8 @@ def main(argv: list[str]) -> int:
         n = sum(len(s["points"]) for *_, s in loaded)
         counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
         est, left = estimate_seconds(root, loaded, args.workers, extra)
-        budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment, 2–3 seeds" if args.full
+        budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment; seeds "
+                  + ", ".join(f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.full
                   else "a SHORT budget (200–240 steps, one seed): quick to run, its gaps are not findings; "
                        "`diloco reproduce --full` runs the claims table")
         _say(f"{n} training runs ({counts}), {left} left, {args.workers} at a time, under {root}; "

@@ -212,7 +212,7 @@ def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):
                     arg="tiny+toy")
     report.build(root, tmp_path / "out", quiet=True)
     c = pd.read_csv(tmp_path / "out" / "claims.csv")
-    (row,) = c[c.claim.str.startswith("The gap to DP shrinks")].itertuples()
+    (row,) = c[c.claim == "The gap to DP shrinks as scale grows (tiny → toy)"].itertuples()
     assert row.runs == "claims_headline_tiny + claims_headline_toy" and row.n == 2
     assert math.isclose(row.ours_gap_pct, 2.0, rel_tol=1e-9)
     # then `diloco reproduce` (the quick budget only) into the same out/: it regenerates the quick budget's
@@ -238,7 +238,8 @@ def _which_params(wd, first, avg, outer):  # a drained which_params.json, as rep
 def test_table3_rows_pair_the_three_evaluations_by_seed(tmp_path):
     """Claims row 'the replicas drift apart' and results/table3_outer_lr from each seed's which_params.json.
     By hand, headline seeds 0, 1: first/avg = 2.06/2.00 (+3 %), 3.12/3.00 (+4 %) → +3.5 %, sd 0.7071,
-    ± 2·sd/√2 = 1.0: [2.5, 4.5] lies in the band [+1 %, ∞) → agrees.
+    SE 0.5; the 95 % t-interval ± 12.7062·0.5 = 6.3531: [−2.85, 9.85] is not inside the band [+1 %, ∞) →
+    inconclusive (±2·SE = [2.5, 4.5] would have said agrees).
     table3 at outer lr 0.4, seeds 0, 1: (first, avg, θᵍ) = (2.02, 2.00, 2.00), (3.09, 3.00, 3.03):
     first vs avg +1 %, +3 % → 2 ± 2; first vs θᵍ +1 %, +1.9802 % → 1.4901 ± 0.9802; avg vs θᵍ 0, −0.9901 %."""
     root = tmp_path / "runs"
@@ -257,8 +258,9 @@ def test_table3_rows_pair_the_three_evaluations_by_seed(tmp_path):
     report.build(root, tmp_path / "out", quiet=True)
     c = pd.read_csv(tmp_path / "out" / "claims.csv")
     (row,) = c[c.claim.str.startswith("Table 3: the replicas drift apart")].itertuples()
-    assert math.isclose(row.ours_gap_pct, 3.5, rel_tol=1e-9) and math.isclose(row.ours_unc_pct, 1.0, rel_tol=1e-9)
-    assert row.verdict == "agrees" and row.n == 2
+    assert math.isclose(row.ours_gap_pct, 3.5, rel_tol=1e-9) and math.isclose(row.ours_se_pct, 0.5, rel_tol=1e-9)
+    assert math.isclose(row.ours_ci_pct, 12.7062 * 0.5, rel_tol=1e-5) and row.ours_df == 1
+    assert row.verdict == "inconclusive" and row.n == 2
     t = pd.read_csv(tmp_path / "out" / "table3_outer_lr.csv").set_index("outer_lr")
     assert sorted(t.index) == [0.4, 1.0] and (t.n == 2).all() and (t.alpha == 0.5).all()
     r = t.loc[0.4]
@@ -266,3 +268,160 @@ def test_table3_rows_pair_the_three_evaluations_by_seed(tmp_path):
     assert math.isclose(r.first_vs_outer_pct, (1.0 + 100 * (3.09 / 3.03 - 1)) / 2, rel_tol=1e-9)
     assert math.isclose(r.avg_vs_outer_pct, 100 * (3.00 / 3.03 - 1) / 2, rel_tol=1e-9)
     assert math.isclose(r.outer_params, (2.00 + 3.03) / 2, rel_tol=1e-9)
+
+
+# -- the claims' statistics: Student-t intervals, seeds needed, re-judging committed rows ------------------
+def test_t_interval_calls_inconclusive_what_two_se_called_agrees():
+    """By hand: per-seed gaps 2 % and 3 % (n = 2): mean 2.5, sd 0.70711, SE 0.5. ±2·SE = [1.5, 3.5] lies in
+    the band [0, 5] (agrees); the 95 % t-interval, t(1) = 12.7062 (tables), is ±6.3531 = [−3.85, 8.85]
+    (inconclusive). With 8 seeds of sd 0.70711 (SE 0.25, t(7) = 2.3646: ±0.5912) the t-interval agrees."""
+    from diloco.report.claims import judge
+    from diloco.report.records import paired_gap_pct, paired_stats, t_quantile
+
+    assert math.isclose(t_quantile(1), 12.7062, rel_tol=1e-5) and math.isclose(t_quantile(2), 4.3027, rel_tol=1e-4)
+    assert math.isclose(t_quantile(7), 2.3646, rel_tol=1e-4) and math.isclose(t_quantile(1e6), 1.95996, rel_tol=1e-5)
+    a, b = {0: 1.02, 1: 1.03}, {0: 1.0, 1: 1.0}  # gaps of a over b: +2 %, +3 %
+    m, sd, n = paired_stats(a, b)
+    assert n == 2 and math.isclose(m, 2.5, rel_tol=1e-9) and math.isclose(sd, math.sqrt(0.5), rel_tol=1e-9)
+    g, two_se, _ = paired_gap_pct(a, b)
+    assert math.isclose(two_se, 1.0, rel_tol=1e-9) and report.verdict(g, two_se, 0.0, 5.0) == "agrees"
+    ci, v = judge(m, sd / math.sqrt(n), n - 1, 0.0, 5.0)
+    assert math.isclose(ci, 6.3531, rel_tol=1e-4) and v == "inconclusive"
+    ci8, v8 = judge(2.5, math.sqrt(0.5) / math.sqrt(8), 7, 0.0, 5.0)
+    assert math.isclose(ci8, 0.5912, rel_tol=1e-3) and v8 == "agrees"
+    assert judge(2.5, float("nan"), float("nan"), 0.0, 5.0)[1] == "inconclusive (n<2)"
+
+
+def test_seeds_needed_is_the_textbook_power_calculation():
+    """80 % power, two-sided 95 %, one-sample t (Cohen 1988; G*Power): effect size d = 0.5 → 34 seeds,
+    d = 1 → 10, d = 0.8 → 15 (≈ ((1.960 + 0.842)/d)² + 1.960²/2 = 33.3, 9.8, 14.2, rounded up). d is the
+    distance from the mean to the band edge the interval must clear, over the per-seed sd."""
+    from diloco.report.records import seeds_needed
+
+    inf = float("inf")
+    assert seeds_needed(0.0, 1.0, -inf, 0.5) == 34  # inside (−∞, 0.5]: agrees once the interval clears 0.5
+    assert seeds_needed(0.0, 2.0, -inf, 2.0) == 10 and seeds_needed(0.2, 1.0, -inf, 1.0) == 15
+    assert seeds_needed(1.5, 1.0, -inf, 0.5) == 10  # outside: disagrees once the interval clears 0.5 from above
+    assert seeds_needed(-1.5, 1.0, -0.5, 0.5) == 10  # below the band: the lower edge
+    # inside a two-edged band both edges must be cleared: more seeds than for one edge at that distance
+    assert seeds_needed(0.0, 1.0, -0.5, 0.5) > 34
+    assert seeds_needed(0.5, 1.0, -inf, 0.5) is None  # the mean on the edge: no number of seeds decides it
+    assert seeds_needed(0.0, float("nan"), -inf, 0.5) is None
+
+
+def _read_claims(path):
+    return pd.read_csv(path, dtype={"changed_from": str, "seeds_needed": str}).fillna(
+        {"changed_from": "", "seeds_needed": ""})
+
+
+_LEGACY = ["claim,paper_source,ours,ours_gap_pct,ours_unc_pct,n,paper,band_for_verdict,verdict,runs,note",
+           '"Merging α=0.5 vs α=0 (Streaming, τ=0, FP32) — at toy",Fig. 8,-2.74% ± 1.73% (n=2),-2.741120986827733,'
+           '1.7324507404486211,2,p,"[−∞, +0.5%]",agrees,"claims_headline_toy (3130 steps)",',
+           '"Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens",Table 5,+3.00% ± 2.00% (n=4),3.0,2.0,4,p,'
+           '"[-1%, +1%]",disagrees,"claims_headline_tiny (990 steps)",',
+           '"Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens — at toy",Table 5,+1.00% ± 1.41% (n=2),1.0,'
+           '1.4142135623730951,2,p,"[-1%, +1%]",inconclusive,"claims_headline_toy (3130 steps)",',
+           '"The gap to DP shrinks as scale grows (tiny → toy)",Table 5,+2.00% ± 2.45% (n=2),2.0,2.449,2,p,'
+           '"[+0%, +∞]",agrees,claims_headline_tiny + claims_headline_toy,',
+           'Total bytes: Streaming FP4 H=100 ≪ DP — at toy,Table 1,DP/ours ×129 at H=33,,,2,p,×132 ± 25 %,agrees,'
+           '"claims_headline_toy (3130 steps)",counted']
+
+
+def test_committed_rows_are_judged_again_without_their_runs(tmp_path):
+    """A claims.csv written with ±2·SE (the columns before ours_sd_pct) and no claims runs under the root:
+    the rebuild re-judges every row from its n, mean and ±2·SE (sd = unc·√n/2), remakes the trend row from
+    the two headline rows, and says which verdicts changed. By hand:
+    α at toy: sd = 1.73245·√2/2 = 1.22502, SE 0.86623, ± 12.7062·SE = 11.0064 → [−13.75, 8.27]:
+    agrees → inconclusive. Trend: tiny mean 3, sd 2.0·√4/2 = 2, n 4; toy mean 1, sd 1.41421·√2/2 = 1, n 2:
+    3 − 1 = 2, SE² = 4/4 + 1/2 = 1.5, Welch df = 1.5² / (1²/3 + 0.5²/1) = 27/7."""
+    from diloco.report.records import t_quantile
+
+    root, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    (out / "claims.csv").write_text("\n".join(_LEGACY) + "\n")
+    _record(root, "tau_alpha_tiny", "tau=0,alpha=0.0", "experiments/ablate_tau.py:tiny", 2.7,
+            sweep_file="sweeps/tau_alpha.py")  # a root without claims runs
+    report.build(root, out, quiet=True)
+    c = _read_claims(out / "claims.csv").set_index("claim")
+    a = c.loc["Merging α=0.5 vs α=0 (Streaming, τ=0, FP32) — at toy"]
+    assert math.isclose(a.ours_sd_pct, 1.7324507404486211 * math.sqrt(2) / 2, rel_tol=1e-12)
+    assert math.isclose(a.ours_ci_pct, 11.0064, rel_tol=1e-4) and a.ours_df == 1
+    assert a.verdict == "inconclusive" and a.changed_from == "agrees → inconclusive"
+    assert a.ours == "-2.74% ± 11.01% (n=2 < 3 planned)" and a.seeds_planned == 3 and int(a.seeds_needed) > 2
+    t = c.loc["The gap to DP shrinks as scale grows (tiny → toy)"]
+    assert math.isclose(t.ours_gap_pct, 2.0) and math.isclose(t.ours_se_pct, math.sqrt(1.5), rel_tol=1e-9)
+    assert math.isclose(t.ours_df, 27 / 7, rel_tol=1e-9) and t.n == 2
+    assert math.isclose(t.ours_ci_pct, t_quantile(27 / 7) * math.sqrt(1.5), rel_tol=1e-9)
+    assert t.verdict == "inconclusive" and t.changed_from == "agrees → inconclusive"
+    h = c.loc["Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens"]  # SE 1, t(3) 3.1824: [−0.18, 6.18]
+    assert h.verdict == "inconclusive" and h.changed_from == "disagrees → inconclusive"
+    assert h.ours == "+3.00% ± 3.18% (n=4 < 8 planned)"
+    b = c.loc["Total bytes: Streaming FP4 H=100 ≪ DP — at toy"]  # counted bytes: no interval, kept as it was
+    assert b.verdict == "agrees" and b.ours == "DP/ours ×129 at H=33" and b.changed_from == ""
+    md = (out / "claims.md").read_text()
+    assert "95% confidence interval" in md and "Student's t" in md and "agrees → inconclusive" in md
+    # the same records again: the same files (the changes stay marked until the numbers move)
+    before = {f: (out / f).read_text() for f in ("claims.csv", "claims.md")}
+    report.build(root, out, quiet=True)
+    assert {f: (out / f).read_text() for f in before} == before
+
+
+def test_readme_claims_block_is_regenerated_from_the_table(tmp_path):
+    """`diloco tables --out DIR` rewrites the claims block of the README beside DIR (between its markers)
+    from claims.csv, and nothing else in it; a README without the markers is left alone."""
+    root, out = tmp_path / "runs", tmp_path / "results"
+    out.mkdir()
+    (out / "claims.csv").write_text("\n".join(_LEGACY) + "\n")
+    _record(root, "tau_alpha_tiny", "tau=0,alpha=0.0", "experiments/ablate_tau.py:tiny", 2.7,
+            sweep_file="sweeps/tau_alpha.py")
+    head, tail = "# x\n\nprose before\n", "\nprose after\n"
+    (tmp_path / "README.md").write_text(head + "<!-- claims:begin -->\nstale: agrees\n<!-- claims:end -->" + tail)
+    report.build(root, out, quiet=True)
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith(head) and text.endswith(tail) and "stale" not in text
+    block = text[len(head):-len(tail)]
+    lines = block.splitlines()
+    assert lines[0].startswith("<!-- claims:begin") and lines[-1] == "<!-- claims:end -->"
+    agrees = next(x for x in lines if x.startswith("  - **agrees**"))
+    inconclusive = next(x for x in lines if x.startswith("  - **inconclusive**"))
+    assert agrees == "  - **agrees** (1): Total bytes: Streaming FP4 H=100 ≪ DP: toy DP/ours ×129 at H=33."
+    assert "Merging α=0.5 vs α=0 (Streaming, τ=0, FP32): toy -2.74% ± 11.01% (n=2 < 3 planned)" in inconclusive
+    assert "(4)" in inconclusive and "**disagrees**" not in block
+    (tmp_path / "README.md").write_text("no markers\n")
+    report.build(root, out, quiet=True)
+    assert (tmp_path / "README.md").read_text() == "no markers\n"
+
+
+def _claims_rows_by_scale(scale: str):
+    from diloco.report.claims import planned_seeds
+
+    c = _read_claims(report.PAPER_DIR.parent / "claims.csv")
+    c = c[c.ours_gap_pct.notna()]  # rows with an interval (not the counted bytes)
+    rows = [(r.claim, int(r.n), planned_seeds(r.runs), r.ours) for r in c.itertuples()
+            if planned_seeds(r.runs) and (scale in r.runs if scale == "toy" else "toy" not in r.runs)]
+    assert rows, f"no claims rows at {scale} in results/claims.csv"
+    return rows
+
+
+def test_committed_claims_say_when_they_have_fewer_seeds_than_planned():
+    """Honesty of the committed results/claims.csv: a row with fewer seeds than sweeps/claims.py plans for
+    its sweep says so in its number ('n=2 < 3 planned'); one with enough does not."""
+    for scale in ("tiny", "toy"):
+        for claim, n, planned, ours in _claims_rows_by_scale(scale):
+            assert (f"(n={n} < {planned} planned)" in ours) == (n < planned), (claim, ours)
+
+
+@pytest.mark.parametrize("scale", ["tiny", pytest.param("toy", marks=pytest.mark.xfail(
+    strict=True, reason="toy 3rd seed not run: 8 runs × ~20 min (results/claims.md says n=2 < 3 planned)"))])
+def test_committed_claims_have_the_planned_seeds(scale):
+    """results/claims.csv's rows have the seeds sweeps/claims.py plans (tiny 8, toy 3), and so do the run
+    records they were built from (results/runs.csv: finished seeds per point of the claims sweeps)."""
+    for claim, n, planned, _ in _claims_rows_by_scale(scale):
+        assert n >= planned, f"{claim}: n={n} < {planned} planned"
+    runs = pd.read_csv(report.PAPER_DIR.parent / "runs.csv")
+    runs = runs[runs.sweep.str.startswith(("claims_headline_", "claims_tau_alpha_")) & (runs.status == "done")
+                & runs.sweep.str.endswith(f"_{scale}")]
+    from diloco.report.claims import planned_seeds
+
+    seeds = runs.groupby(["sweep", "base_point"]).seed.nunique()
+    assert len(seeds) and all(k >= planned_seeds(sw) for (sw, _), k in seeds.items()), seeds.to_dict()

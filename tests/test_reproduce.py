@@ -43,7 +43,7 @@ def test_full_plan_is_the_claims_budget():
         s = sw.load_sweep(spec)
         if s["name"].startswith("claims_headline"):
             c = load_config(s["points"][0]["spec"], s["points"][0]["overrides"])
-            # tiny: 49,472 params × 20.5 tokens = 990 steps of 16×64; toy: 320,512 × 20 = 3,130
-            want = {"claims_headline_tiny": (3, 990), "claims_headline_toy": (2, 3130)}[s["name"]]
+            # tiny: 49,472 params × 20.5 tokens = 990 steps of 16×64, 8 seeds; toy: 320,512 × 20 = 3,130, 3 seeds
+            want = {"claims_headline_tiny": (8, 990), "claims_headline_toy": (3, 3130)}[s["name"]]
             assert (s["seeds"], c.steps, c.eval_batches) == (*want, 64)
     assert {"claims_headline_tiny", "claims_headline_toy"} <= {sw.load_sweep(sp)["name"] for _, sp in reproduce.FULL_PLAN}

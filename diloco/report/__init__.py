@@ -15,9 +15,9 @@ from pathlib import Path
 import pandas as pd
 
 from diloco.errors import ConfigError
-from diloco.report.claims import claims_table, verdict, write_claims
+from diloco.report.claims import claims_table, verdict, write_claims, write_readme_block
 from diloco.report.plots import plot_ablation, plot_loss_curves
-from diloco.report.records import PAPER_DIR, collapse, is_difference, load_runs, read_json
+from diloco.report.records import POWER, PAPER_DIR, collapse, is_difference, load_runs, read_json
 from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_table, bytes_table, eval_noise, table1,
                                   table3, table3_outer_lr, table5, table6, which_params_eval)
 from diloco.report.write import KEYS, compare_committed, markdown, write_if_changed, write_table
@@ -113,9 +113,18 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
             plot_loss_curves(df[(df.sweep == sweep) & (df.seed == 0)], sweep, out / f"loss_curves_{sweep}.png")
             touched += [out / f"ablation_{sweep}.{e}" for e in ("csv", "md", "png")] + [out / f"loss_curves_{sweep}.png"]
     c = claims_table(agg, old5, run_records=df)
-    if not c.empty:
-        write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling"))], root, prov)
+    if not c.empty or (out / "claims.csv").exists():  # committed rows are judged again even with no new one
+        c = write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling"))], root, prov)
         touched += [out / "claims.md", out / "claims.csv"]
+        if write_readme_block(out.resolve().parent / "README.md", c):  # the README beside out/, if it has the markers
+            touched.append(out.resolve().parent / "README.md")
+        if not quiet:
+            for r in c.itertuples():
+                if r.changed_from:
+                    print(f"diloco tables: claims: verdict {r.changed_from}: {r.claim}")
+                if r.seeds_needed:
+                    print(f"diloco tables: claims: inconclusive at n={r.n}, {r.seeds_needed} seeds would decide it "
+                          f"({POWER:.0%} power): {r.claim}")
     failed = df[df.status != "done"]
     fr = out / "failed_runs.csv"
     if fr.exists():  # a committed failure that has finished since (under this root) is no longer one

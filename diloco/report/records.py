@@ -119,9 +119,10 @@ def load_runs(root: str | Path) -> pd.DataFrame:
 # A row of a table is one setting (a sweep point) over its seeds. Its eval loss is printed as
 # mean ± sample standard deviation (ddof=1) over the n seeds. A gap between two settings is the mean
 # over seeds of the per-seed gap (paired: seed s of both rows shares its initialisation and data
-# order), and its uncertainty is twice the standard error of that mean, 2·sd/√n (≈ a 95 % interval
-# for large n; conservative-ish but not a t-interval for n = 2–3). A gap is called a difference only
-# when |gap| > its uncertainty; with fewer than 2 paired seeds it is never called one.
+# order). In the tables (paired_gap_pct, paired_diff) its uncertainty is twice the standard error of
+# that mean, 2·sd/√n (≈ a 95 % interval for large n, too narrow for n = 2–3), and a gap is called a
+# difference only when |gap| > it; with fewer than 2 paired seeds it is never called one. The claims'
+# verdicts use Student's t instead (t_quantile, paired_stats, welch, seeds_needed below).
 def mean_std(values) -> tuple[float, float, int]:
     """(mean, sample std with ddof=1 — NaN below 2 values, n) of the finite values."""
     v = np.array([x for x in values if x is not None and np.isfinite(x)], dtype=float)
@@ -130,25 +131,82 @@ def mean_std(values) -> tuple[float, float, int]:
     return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else np.nan, len(v)
 
 
+def paired_stats(a: dict, b: dict, pct: bool = True) -> tuple[float, float, int]:
+    """(mean, sample sd, n) of the per-seed differences over the seeds both have: 100·(a_s/b_s − 1) in %
+    (pct), else a_s − b_s; sd is NaN below 2 seeds, mean NaN with none."""
+    common = sorted(set(a) & set(b))
+    d = [100.0 * (a[s] / b[s] - 1.0) for s in common if b[s]] if pct else [a[s] - b[s] for s in common]
+    return mean_std(d)
+
+
 def paired_gap_pct(a: dict, b: dict) -> tuple[float, float, int]:
     """Gap of a over b in %, paired by seed: (mean of 100·(a_s/b_s − 1), 2·sd/√n, n); the uncertainty
     is NaN with fewer than 2 shared seeds (then n=1 gives the one gap, n=0 NaN)."""
-    common = sorted(set(a) & set(b))
-    d = [100.0 * (a[s] / b[s] - 1.0) for s in common if b[s]]
-    if not d:
-        return np.nan, np.nan, 0
-    m, sd, n = mean_std(d)
+    m, sd, n = paired_stats(a, b)
     return m, (2.0 * sd / math.sqrt(n) if n > 1 else np.nan), n
 
 
 def paired_diff(a: dict, b: dict) -> tuple[float, float, int]:
     """Like paired_gap_pct on the plain differences a_s − b_s (loss units)."""
-    common = sorted(set(a) & set(b))
-    d = [a[s] - b[s] for s in common]
-    if not d:
-        return np.nan, np.nan, 0
-    m, sd, n = mean_std(d)
+    m, sd, n = paired_stats(a, b, pct=False)
     return m, (2.0 * sd / math.sqrt(n) if n > 1 else np.nan), n
+
+
+# -- the claims' intervals: Student's t ----------------------------------------------------------------
+# A claim's interval is mean ± t·SE, two-sided at CONFIDENCE, with t from Student's t distribution at
+# df = n − 1 for n paired seeds: exact for normally distributed per-seed differences, whatever n. With
+# n = 2 t is 12.71 (±2·SE would be a 70 % interval), n = 3: 4.30, n = 8: 2.36, → 1.96 as n grows.
+# Not a paired bootstrap: with 2–8 seeds a bootstrap has only a handful of distinct resamples (3 at
+# n = 2) and its percentile interval is narrower than even ±2·SE (it treats the sample's spread as the
+# truth), which is the over-confidence we are removing.
+CONFIDENCE = 0.95  # two-sided, of every claims interval (results/claims.md says so in its header)
+POWER = 0.8  # of seeds_needed
+
+
+def t_quantile(df: float, confidence: float = CONFIDENCE) -> float:
+    """The two-sided critical value t_{(1+confidence)/2, df} (df = 1: 12.706; 2: 4.303; 7: 2.365)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.5 + confidence / 2, df))
+
+
+def welch(m1: float, s1: float, n1: int, m2: float, s2: float, n2: int) -> tuple[float, float, float]:
+    """(m1 − m2, its standard error √(s1²/n1 + s2²/n2), Welch–Satterthwaite degrees of freedom) for two
+    independent means (e.g. one gap at two scales: different runs, nothing to pair)."""
+    a, b = s1 ** 2 / n1, s2 ** 2 / n2
+    df = (a + b) ** 2 / (a ** 2 / (n1 - 1) + b ** 2 / (n2 - 1)) if a + b > 0 else float(min(n1, n2) - 1)
+    return m1 - m2, math.sqrt(a + b), df
+
+
+def seeds_needed(mean: float, sd: float, lo: float, hi: float, power: float = POWER,
+                 cap: int = 10_000) -> int | None:
+    """The smallest number of paired seeds n for which the claims' t-interval (mean ± t_{n−1}·sd/√n) would
+    decide [lo, hi] with probability ≥ power, if the true mean and sd are the observed ones: a standard
+    power calculation (the one-sample t-test's, exact through the noncentral t). Deciding means the
+    interval clears the band's edge(s) on the side the mean is: inside the band it must clear both
+    finite edges (agrees; power ≥ 1 − P(miss lo) − P(miss hi), conservative), outside it the nearer edge
+    (disagrees). None when no n ≤ cap does (e.g. the mean sits on an edge) or sd is unknown. By hand:
+    mean 0, sd 1, band (−∞, 0.5] (effect size 0.5) needs 34 seeds, (−∞, 1] needs 10 — the textbook
+    one-sample values, ≈ ((z₀.₉₇₅ + z₀.₈)/d)² + z₀.₉₇₅²/2."""
+    from scipy import stats
+
+    if not (np.isfinite(mean) and np.isfinite(sd)) or sd < 0:
+        return None
+    n = np.arange(2, cap + 1)
+    df = n - 1
+    tc = stats.t.ppf(0.5 + CONFIDENCE / 2, df)
+
+    def clears(dist: float) -> np.ndarray:  # P(the interval lies beyond an edge `dist` ≥ 0 from the mean)
+        if sd == 0:
+            return np.full(n.shape, float(dist > 0))
+        return stats.nct.sf(tc, df, dist * np.sqrt(n) / sd)
+
+    if lo < mean < hi:
+        p = 1.0 - sum(1.0 - clears(d) for d in (mean - lo, hi - mean) if np.isfinite(d))
+    else:
+        p = clears(mean - hi if mean >= hi else lo - mean)
+    ok = np.flatnonzero(p >= power)
+    return int(n[ok[0]]) if len(ok) else None
 
 
 def is_difference(gap: float, unc: float) -> bool | None:
