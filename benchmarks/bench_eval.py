@@ -35,7 +35,7 @@ def main() -> None:
     if args.workdir:
         from diloco.eval.cli import load_run
 
-        apply_fn, params, vocab, _ = load_run(args.workdir)
+        apply_fn, params, vocab = load_run(args.workdir)[:3]
     else:
         from diloco.data import get_vocabulary
         from diloco.model import ModelConfig, Transformer

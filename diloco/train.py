@@ -187,9 +187,7 @@ class Run:
 
     def drained(self, t: int) -> tuple[Any, list[int]]:
         """(the state as at the next sync boundary: fragments in flight after t applied, those fragments)."""
-        if self.tr.driver is None:
-            return self.state, []
-        self.state, out, frags = self.tr.driver.drained(self.state, t, self.check)
+        self.state, out, frags = self.tr.drained(self.state, t, self.check)
         return out, frags
 
     def save(self, step: int) -> None:

@@ -284,6 +284,35 @@ class Trainer:
             return state.outer.params
         return jax.tree_util.tree_map(lambda x: x[0], state.params)
 
+    def drained(self, state: TrainState, t: int, check=None) -> tuple[TrainState, TrainState, list[int]]:
+        """(state with its exchanges landed, a copy with every fragment in flight after step t applied,
+        those fragments): θᵍ as at the next sync boundary, what a run reports (OuterDriver.drained)."""
+        if self.driver is None:
+            return state, state, []
+        return self.driver.drained(state, t, check)
+
+    def params_of(self, state: TrainState, which: str = "drained") -> tuple[Any, dict]:
+        """(parameters, what they are) of a saved state: `drained` (θᵍ with the fragments in flight
+        applied: the run's params_sha256 and final_eval_loss), `undrained` (θᵍ as saved) or
+        `replica:K` (replica K's inner parameters)."""
+        from diloco.errors import ConfigError
+        from diloco.outer.sync import params_sha256
+
+        step = int(state.step)
+        about: dict[str, Any] = {"params": which, "step": step}
+        if which == "drained":
+            _, out, about["drained_fragments"] = self.drained(state, step)
+            params = self.eval_params(out)
+        elif which == "undrained":
+            params = self.eval_params(state)
+        elif which.startswith("replica:") and which[8:].isdigit() and int(which[8:]) < self.R:
+            params = jax.tree_util.tree_map(lambda x, k=int(which[8:]): x[k], state.params)
+        else:
+            valid = ", ".join(["drained", "undrained"] + [f"replica:{k}" for k in range(self.R)])
+            raise ConfigError("--params", f"{which!r} is not one of this run's parameter sets: {valid}")
+        about["params_sha256"] = params_sha256(params)
+        return params, about
+
     # -- jitted pieces ------------------------------------------------------------------------------
     def loss(self, params, tokens_BxL):
         logits = self.model.apply({"params": params}, tokens_BxL)
@@ -447,7 +476,10 @@ def load_run(workdir: str | os.PathLike) -> tuple[Any, Trainer, TrainState]:
     return cfg, trainer, got[1]
 
 
-def load_eval_params(workdir: str | os.PathLike):
-    """(config, model, outer params, vocab) of the newest checkpoint of a run."""
+def load_eval_params(workdir: str | os.PathLike, which: str = "drained"):
+    """(config, model, params, vocab, what the params are) of the newest checkpoint of a run; by
+    default θᵍ drained, the parameters whose sha256 and loss summary.json reports (Trainer.params_of)."""
     cfg, trainer, state = load_run(workdir)
-    return cfg, trainer.model, trainer.eval_params(state), trainer.vocab
+    params, about = trainer.params_of(state, which)
+    return cfg, trainer.model, params, trainer.vocab, about
+

@@ -307,7 +307,8 @@ def test_cli_writes_rows_and_merges_summary(tmp_path, data, tiny, monkeypatch):
     from diloco.eval import cli
 
     apply_fn, params = tiny
-    monkeypatch.setattr(cli, "load_run", lambda wd: (apply_fn, params, ByteVocab(), 128))
+    monkeypatch.setattr(cli, "load_run", lambda wd, which: cli.LoadedRun(
+        apply_fn, params, ByteVocab(), 128, {"params": which, "step": 0, "params_sha256": "-"}))
     (tmp_path / "summary.json").write_text(json.dumps({"final_eval_loss": 2.5, "downstream": {"x": 1}}))
     out = tmp_path / "items.jsonl"
     rc = cli.main(["--workdir", str(tmp_path), "--tasks", "piqa,arc_easy", "--data_dir", str(data),
@@ -430,3 +431,83 @@ def test_trained_toy_checkpoint_native_vs_lm_eval_cli(tmp_path, data):
         for r, s in zip(rows, samples):
             assert [float(x[0][0]) for x in s["resps"]] == pytest.approx(r["loglikelihoods"], abs=1e-3)
             assert (float(s["acc"]), float(s["acc_norm"])) == (float(r["pred"] == r["label"]), float(r["pred_norm"] == r["label"]))
+
+
+# ---------------------------------------------------------------- what `diloco eval` scores
+
+@pytest.fixture(scope="module")
+def streaming_in_flight(tmp_path_factory):
+    """A tiny Streaming run (40 steps, H=10, τ=2) that ends with fragments in flight."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import tiny_config
+    from diloco.train import train
+
+    wd = tmp_path_factory.mktemp("streaming_in_flight")
+    cfg = tiny_config("streaming", steps=40, H=10, tau=2, layers_per_fragment=1, checkpoint_every=20, eval_every=20)
+    summary = train(cfg, wd, progress=False)
+    assert summary["drained_fragments"], "the run must end with fragments in flight for this test to mean anything"
+    assert summary["final_eval_loss"] != summary["final_eval_loss_undrained"]
+    return cfg, wd, summary
+
+
+def _eval_loss(cfg, apply_fn, params) -> float:
+    """The loss of `params` on the run's own eval batches, through the model alone (not the trainer)."""
+    import jax
+    import jax.numpy as jnp
+
+    from diloco.data import eval_batches
+    from diloco.model import loss_fn
+
+    ce = jax.jit(lambda p, x: loss_fn(apply_fn(p, x), x, cfg.model.z_loss)[1]["ce"])
+    return float(np.mean([float(ce(params, jnp.asarray(b))) for b in
+                          eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, cfg.eval_batches)]))
+
+
+def test_diloco_eval_scores_the_drained_params_the_summary_reports(streaming_in_flight):
+    """What `diloco eval` (and lm-eval through the adapter) loads is θᵍ drained: its sha256 is the
+    summary's params_sha256 and its loss on the eval batches is final_eval_loss."""
+    from diloco.eval import cli
+    from diloco.outer.sync import params_sha256
+
+    cfg, wd, summary = streaming_in_flight
+    got = cli.load_run(wd)
+    assert params_sha256(got.params) == summary["params_sha256"] == got.about["params_sha256"]
+    assert got.about["params"] == "drained" and got.about["drained_fragments"] == summary["drained_fragments"]
+    assert _eval_loss(cfg, got.apply_fn, got.params) == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=0)
+
+
+def test_diloco_eval_undrained_and_one_replica_on_request(streaming_in_flight):
+    from diloco.eval import cli
+    from diloco.outer.sync import params_sha256
+    from diloco.trainer import load_run
+
+    cfg, wd, summary = streaming_in_flight
+    und = cli.load_run(wd, "undrained")
+    assert und.about["params"] == "undrained" and params_sha256(und.params) != summary["params_sha256"]
+    assert _eval_loss(cfg, und.apply_fn, und.params) == pytest.approx(summary["final_eval_loss_undrained"],
+                                                                      rel=1e-6, abs=0)
+    _, _, state = load_run(wd)
+    rep = cli.load_run(wd, "replica:1")
+    for a, b in zip(jax_leaves(rep.params), jax_leaves(state.params)):
+        np.testing.assert_array_equal(a, b[1])
+    assert rep.about["params_sha256"] == params_sha256(rep.params)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_diloco_eval_says_which_params_it_scored(streaming_in_flight, data, capsys):
+    from diloco.eval import cli
+
+    _, wd, summary = streaming_in_flight
+    assert cli.main(["--workdir", str(wd), "--tasks", "piqa", "--data_dir", str(data), "--limit", "2",
+                     "--no_summary"]) == 0
+    out = capsys.readouterr().out
+    line = out.splitlines()[0]
+    assert "drained" in line and summary["params_sha256"] in line and "step 40" in line, out
+    assert cli.main(["--workdir", str(wd), "--params", "replica:2", "--tasks", "piqa", "--data_dir", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "--params" in err and "replica:0" in err and "replica:1" in err and len(err.strip().splitlines()) == 1

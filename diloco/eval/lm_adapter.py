@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,19 +24,23 @@ from diloco.eval import benchmarks, score
 
 @register_model("diloco")
 class DilocoLM(TemplateLM):
-    """model_args: workdir=DIR[,max_length=N][,batch_size=B]. Scores with score.loglikelihood_tokens."""
+    """model_args: workdir=DIR[,params=drained|undrained|replica:K][,max_length=N][,batch_size=B]; by
+    default θᵍ drained, the parameters summary.json reports. Scores with score.loglikelihood_tokens."""
 
     def __init__(self, workdir: str | None = None, batch_size: int | str = 32,
-                 max_length: int | str | None = None,
+                 max_length: int | str | None = None, params: str = "drained",
                  live: tuple[Callable, Any, Any, int] | None = None, **_ignored: Any):
         super().__init__()
+        self.about: dict | None = None
         if live is None:
             if not workdir:
                 raise ValueError("diloco model needs --model_args workdir=DIR (a diloco run directory)")
-            from diloco.eval.cli import load_run
+            from diloco.eval.cli import describe_params, load_run
 
-            live = load_run(workdir)
-        self.apply_fn, self.params, self.vocab, window = live
+            live = load_run(workdir, str(params))
+            self.about = live.about
+            print(f"diloco model: {describe_params(live.about)}", file=sys.stderr, flush=True)
+        self.apply_fn, self.params, self.vocab, window = live[:4]
         self._max_length = int(max_length) if max_length else int(window)
         bs = str(batch_size)
         self.batch_size = int(bs) if bs.isdigit() else 32  # "auto" -> 32

@@ -155,13 +155,12 @@ def which_params_eval(workdir: str) -> dict:
     import jax
 
     from diloco.data import eval_batches
+    from diloco.outer.sync import params_sha256
     from diloco.rundir import atomic_write_json
     from diloco.trainer import load_run
 
     cfg, tr, state = load_run(wd)
-    drained = []
-    if tr.driver is not None:  # as at the next sync boundary, like the run's final_eval_loss
-        _, state, drained = tr.driver.drained(state, int(state.step))
+    _, state, drained = tr.drained(state, int(state.step))  # as at the next sync boundary, like final_eval_loss
     evals = eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R, cfg.eval_batches,
                          data_dir=cfg.data_dir or None)
     ev = tr.eval_fn()
@@ -170,6 +169,7 @@ def which_params_eval(workdir: str) -> dict:
             "outer_params": tr.eval_params(state)}
     res = {k: float(np.mean([float(ev(p, b)) for b in evals])) for k, p in sets.items()}
     res["drained_fragments"] = drained
+    res["outer_params_sha256"] = params_sha256(sets["outer_params"])  # summary.json's params_sha256
     atomic_write_json(wd / "which_params.json", res)
     return res
 
@@ -186,8 +186,7 @@ def eval_noise(workdirs: list[str], batches: int = 128) -> pd.DataFrame:
     per = []
     for wd in workdirs:
         cfg, tr, state = load_run(wd)
-        if tr.driver is not None:
-            _, state, _ = tr.driver.drained(state, int(state.step))
+        _, state, _ = tr.drained(state, int(state.step))
         evals = eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R, batches,
                              data_dir=cfg.data_dir or None)
         ev = tr.eval_fn()
