@@ -383,11 +383,13 @@ def test_readme_claims_block_is_regenerated_from_the_table(tmp_path):
     block = text[len(head):-len(tail)]
     lines = block.splitlines()
     assert lines[0].startswith("<!-- claims:begin") and lines[-1] == "<!-- claims:end -->"
-    agrees = next(x for x in lines if x.startswith("  - **agrees**"))
-    inconclusive = next(x for x in lines if x.startswith("  - **inconclusive**"))
-    assert agrees == "  - **agrees** (1): Total bytes: Streaming FP4 H=100 ≪ DP: toy DP/ours ×129 at H=33."
-    assert "Merging α=0.5 vs α=0 (Streaming, τ=0, FP32): toy -2.74% ± 11.01% (n=2 < 3 planned)" in inconclusive
-    assert "(4)" in inconclusive and "**disagrees**" not in block
+    assert "seeds: tiny 4 of 8 planned, toy 2 of 3 planned" in lines[1]
+    i, j = lines.index("  - **agrees** (1 rows):"), lines.index("  - **inconclusive** (4 rows):")
+    assert lines[i + 1:j] == ["    - Total bytes: Streaming FP4 H=100 ≪ DP: toy DP/ours ×129 at H=33"]
+    need = lambda claim: int(pd.read_csv(out / "claims.csv").set_index("claim").seeds_needed[claim])
+    assert lines[j + 1] == ("    - Merging α=0.5 vs α=0 (Streaming, τ=0, FP32): toy -2.74 ± 11.01% "
+                            f"({need('Merging α=0.5 vs α=0 (Streaming, τ=0, FP32) — at toy')} seeds would decide it)")
+    assert len(lines) == j + 5 and "**disagrees**" not in block  # 3 claims (the headline at both scales)
     (tmp_path / "README.md").write_text("no markers\n")
     report.build(root, out, quiet=True)
     assert (tmp_path / "README.md").read_text() == "no markers\n"
