@@ -1,0 +1,641 @@
+"""`python -m diloco.tpu.agent --plan gs://B/ROOT/SWEEP/_launch/plan.json`: the driver on every TPU host.
+
+startup.sh starts one agent on every host of every slice, in the unpacked tree; together they run
+the sweep's points in order with nothing needed from the laptop. All coordination is files in the
+bucket under BASE = plan["base"], each written whole (diloco.rundir), read fresh on every poll:
+
+  BASE/_pod/hosts/<s>-<w>.json                   every host, every poll_s: its heartbeat
+                                                 {point, attempt, state, pid, child, note, time}
+  BASE/_pod/logs/slice<s>-worker<w>.agent.log    the agent's own log
+  BASE/<point>/_state/go-<n>.json                the leader: every host runs attempt n now
+  BASE/<point>/_state/attempt-<n>/<s>-<w>.start  a host started its child for attempt n
+  BASE/<point>/_state/attempt-<n>/<s>-<w>.json   a host's child was reaped (its chips are free):
+                                                 {code, reason, stopped, killed (by this agent), time}
+  BASE/<point>/_state/attempt-<n>/abort          the leader: end attempt n (the reason)
+  BASE/<point>/_state/status.json                the leader: waiting|running|finished|failed, every
+                                                 attempt's result and reason, what it waits for
+  BASE/<point>/logs/attempt-<n>/slice<s>-worker<w>.log   the child's output, every log_upload_s
+                                                 and at its exit; a later attempt has its own folder
+  BASE/_launch/control/stop                      the laptop's `stop`
+
+The leader is slice 0 worker 0. It keeps nothing in memory that is not in the bucket, so a restarted
+leader continues where the last one was. For the first point not finished or failed it:
+  - writes go-<n> once every host's heartbeat is fresh and idle and every host has written its exit
+    for attempt n-1 (so the next attempt, or the next point, starts only on free chips);
+  - writes abort when a host's child exits non-zero or a host's heartbeat is older than lost_after_s;
+  - when every host has exited: finished (all 0 and the run's summary.json), else the next attempt,
+    or failed once max_attempts attempts have failed (an attempt ended by a stop is not counted).
+    A lost host's exit is written by its own agent when the repaired VM reruns startup.sh and the
+    agent rejoins (its start marker without an exit: the child was lost with the VM).
+Every host (the leader too) runs the point's argv as `python -m diloco.cli ARGV` in its own process
+group and SIGTERMs it on abort, on stop, or (followers) when the leader's heartbeat is stale: SIGKILL
+follows after abort_grace_s (abort; a lost peer means no checkpoint can be saved together) or
+stop_grace_s (stop; `diloco train` saves a checkpoint on SIGTERM). On stop an agent exits once its
+child is reaped; it also exits when every point is finished or failed (the leader first deletes the
+queued resource when plan["teardown"]).
+
+Host identity: DILOCO_TPU_SLICE / DILOCO_TPU_WORKER when set (the stand-in sets them; so may a user),
+else what a TPU VM knows: MEGASCALE_SLICE_ID (environment, else the `tpu-env` metadata attribute;
+0 on a single slice) and the metadata attribute `agent-worker-number` (as JAX's own cluster
+detection reads them). The child's environment: the agent's, plan["env"], DILOCO_TPU_ATTEMPT=n, and
+DILOCO_DISTRIBUTED=auto unless DILOCO_COORDINATOR is set (the stand-in's explicit job placement).
+Times are each host's wall clock (GCE keeps them in sync); heartbeat ages compare them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from diloco.errors import ConfigError
+from diloco.rundir import atomic_write_json, atomic_write_text, path, read_json
+
+LEADER = "0-0"
+ENV_SLICE, ENV_WORKER, ENV_ATTEMPT = "DILOCO_TPU_SLICE", "DILOCO_TPU_WORKER", "DILOCO_TPU_ATTEMPT"
+# plan.json keys this module reads beyond the sweep's own, with their defaults (bundle.py's schema)
+TIMING = {"poll_s": 10.0, "log_upload_s": 30.0, "lost_after_s": 120.0, "abort_grace_s": 60.0, "stop_grace_s": 900.0}
+METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
+
+
+# -- the plan and where things are ---------------------------------------------------------------------
+def load_plan(p: str) -> dict:
+    """plan.json with the defaults filled in; a ConfigError naming the field when it cannot be used."""
+    plan = read_json(p)
+    if plan is None:
+        raise ConfigError("--plan", f"{p} does not exist; `launch_tpu.sh up` uploads it to BASE/_launch/plan.json")
+    for key in ("base", "sweep", "slices", "hosts_per_slice", "points"):
+        if key not in plan:
+            raise ConfigError(f"plan.{key}", f"missing from {p}; regenerate it with `diloco sweep … --launch tpu`")
+    for key, default in {**TIMING, "max_attempts": 3, "teardown": False, "env": {}}.items():
+        plan.setdefault(key, default)
+    if int(plan["max_attempts"]) < 1:
+        raise ConfigError("plan.max_attempts", f"{plan['max_attempts']} must be ≥ 1")
+    names = [pt["name"] for pt in plan["points"]]
+    if len(set(names)) != len(names):
+        raise ConfigError("plan.points", f"point names repeat: {names}")
+    return plan
+
+
+def hosts(plan: dict) -> list[str]:
+    return [f"{s}-{w}" for s in range(int(plan["slices"])) for w in range(int(plan["hosts_per_slice"]))]
+
+
+def label(host: str) -> str:
+    s, w = host.split("-")
+    return f"slice{s}-worker{w}"
+
+
+class Layout:
+    """The bucket's paths of one sweep (see the module docstring)."""
+
+    def __init__(self, base: str):
+        self.base = path(base)
+
+    def beat(self, host: str):
+        return self.base / "_pod" / "hosts" / f"{host}.json"
+
+    def agent_log(self, host: str):
+        return self.base / "_pod" / "logs" / f"{label(host)}.agent.log"
+
+    @property
+    def stop(self):
+        return self.base / "_launch" / "control" / "stop"
+
+    def state(self, point: str):
+        return self.base / point / "_state"
+
+    def status(self, point: str):
+        return self.state(point) / "status.json"
+
+    def go(self, point: str, n: int):
+        return self.state(point) / f"go-{n}.json"
+
+    def attempt(self, point: str, n: int):
+        return self.state(point) / f"attempt-{n}"
+
+    def log(self, point: str, n: int, host: str):
+        return self.base / point / "logs" / f"attempt-{n}" / f"{label(host)}.log"
+
+
+def fresh_reads() -> None:
+    """Every read asks the bucket: gcsfs otherwise keeps directory listings for ever, and a cached
+    listing hides files other hosts wrote since (and gives stale sizes to reads)."""
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("gcs", {})["use_listings_cache"] = False
+
+
+def names(folder, pattern: str) -> list[str]:
+    try:
+        return [p.name for p in path(folder).glob(pattern)]
+    except FileNotFoundError:
+        return []
+
+
+def latest_go(layout: Layout, point: str) -> int:
+    ns = [int(n[3:-5]) for n in names(layout.state(point), "go-*.json") if n[3:-5].isdigit()]
+    return max(ns, default=0)
+
+
+def read_text(p) -> str | None:
+    p = path(p)
+    try:
+        return p.read_text() if p.exists() else None
+    except FileNotFoundError:
+        return None
+
+
+# -- what the hosts see --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PointView:
+    """One point's state in the bucket as read at `now` (exits and starts of attempt `go` only)."""
+    hosts: tuple[str, ...]
+    go: int = 0                                    # the latest attempt the leader started (0: none)
+    abort: str | None = None                       # attempt `go`'s abort reason
+    exits: dict[str, dict] = dataclasses.field(default_factory=dict)   # host → exit record
+    starts: frozenset[str] = frozenset()           # hosts that started a child for attempt `go`
+    beats: dict[str, dict] = dataclasses.field(default_factory=dict)   # host → heartbeat
+    summary: bool = False                          # the run's summary.json exists
+    status: dict = dataclasses.field(default_factory=dict)             # status.json (the leader's record)
+    stop: bool = False
+    now: float = 0.0
+
+
+def age(beat: dict | None, now: float) -> float:
+    return float("inf") if not beat else now - float(beat.get("time", 0))
+
+
+def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: float, stop: bool) -> PointView:
+    """The leader reads every host's files; a follower only its own and the leader's heartbeat."""
+    name = point["name"]
+    lead = me == LEADER
+    go = latest_go(layout, name)
+    att = layout.attempt(name, go)
+    exits, starts, abort = {}, set(), None
+    if go:
+        files = set(names(att, "*"))
+        abort = read_text(att / "abort") if "abort" in files else None
+        for h in all_hosts if lead else [me]:
+            if f"{h}.json" in files:
+                exits[h] = read_json(att / f"{h}.json")
+            if f"{h}.start" in files:
+                starts.add(h)
+    beats = {}
+    for h in all_hosts if lead else [LEADER]:
+        b = read_json(layout.beat(h))
+        if b is not None:
+            beats[h] = b
+    summary = lead and path(point["workdir"]).joinpath("summary.json").exists()
+    return PointView(tuple(all_hosts), go, abort, exits, frozenset(starts), beats, bool(summary),
+                     read_json(layout.status(name), {}) or {}, stop, now)
+
+
+# -- the leader's decision (pure) ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: str            # wait | go | abort | finish | fail
+    attempt: int = 0
+    reason: str = ""     # why (abort, fail, the previous attempt's end for go); what it waits for
+
+
+def failures(v: PointView) -> list[str]:
+    return [f"{label(h)} {v.exits[h].get('reason') or 'exited with code %s' % v.exits[h].get('code')}"
+            for h in v.hosts if h in v.exits and v.exits[h].get("code") != 0]
+
+
+def stopped(v: PointView) -> bool:
+    return any(e.get("stopped") for e in v.exits.values())
+
+
+def attempts_used(v: PointView) -> int:
+    """Attempts up to `go` that count against max_attempts: all but those ended by a stop."""
+    earlier = v.status.get("attempts", {})
+    used = sum(1 for k, a in earlier.items() if int(k) < v.go and a.get("result") != "stopped")
+    return used + (1 if v.go and not stopped(v) else 0)
+
+
+def decide(v: PointView, max_attempts: int, lost_after_s: float) -> Action:
+    """What the leader does next for this point."""
+    n = v.go
+    lost = {h for h in v.hosts if age(v.beats.get(h), v.now) > lost_after_s}
+
+    def gone(h: str) -> str:
+        return f"{label(h)} lost (no heartbeat for {lost_after_s:.0f} s)" if h in v.beats else \
+            f"{label(h)} (no heartbeat yet)"
+
+    if n:
+        missing = [h for h in v.hosts if h not in v.exits]
+        if missing:
+            if v.stop:
+                return Action("wait", n, f"stop requested; waiting for {', '.join(map(label, missing))} to stop")
+            if v.abort is None:
+                why = failures(v) + [gone(h) for h in missing if h in lost]
+                return Action("abort", n, "; ".join(why)) if why else Action("wait", n, "running")
+            return Action("wait", n, f"attempt {n} aborted; waiting for the exit of "
+                          + ", ".join(gone(h) if h in lost else label(h) for h in missing))
+        if all(e.get("code") == 0 for e in v.exits.values()) and v.summary:
+            return Action("finish", n, "every host exited 0")
+        if not stopped(v) and attempts_used(v) >= max_attempts:
+            return Action("fail", n, f"attempt {n} (of at most {max_attempts}): {ended_reason(v)}")
+    if v.stop:
+        return Action("wait", n, "stop requested")
+    busy = [gone(h) if h in lost else f"{label(h)} ({v.beats[h].get('state')})" for h in v.hosts
+            if h in lost or v.beats[h].get("state") != "idle"]
+    if busy:
+        return Action("wait", n, f"waiting for {', '.join(busy)} to be idle")
+    return Action("go", n + 1, ended_reason(v) if n else "")
+
+
+def ended_reason(v: PointView) -> str:
+    if stopped(v):
+        return "stopped"
+    if v.abort:
+        return v.abort
+    return "; ".join(failures(v)) or "every host exited 0 but the run wrote no summary.json"
+
+
+def next_status(old: dict, a: Action, v: PointView) -> dict:
+    """status.json after the leader's action; the same action twice gives the same record."""
+    st = json.loads(json.dumps(old or {}))
+    atts = st.setdefault("attempts", {})
+    if v.go and a.kind in ("go", "finish", "fail"):  # attempt v.go is over: how it ended
+        rec = atts.setdefault(str(v.go), {})
+        rec.update(result="finished" if a.kind == "finish" else "stopped" if stopped(v) else "failed",
+                   reason="" if a.kind == "finish" else ended_reason(v),
+                   exits={h: v.exits[h].get("code") for h in v.hosts})
+        rec.setdefault("ended", v.now)
+    if a.kind == "go":
+        atts.setdefault(str(a.attempt), {}).setdefault("started", v.now)
+        st.update(state="running", attempt=a.attempt, note="")
+    elif a.kind == "abort":
+        atts.setdefault(str(a.attempt), {})["abort"] = a.reason
+        st.update(state="running", attempt=a.attempt, note=f"aborting: {a.reason}")
+    elif a.kind == "finish":
+        st.update(state="finished", attempt=v.go, note="", reason="")
+    elif a.kind == "fail":
+        st.update(state="failed", attempt=v.go, note="", reason=a.reason)
+    else:
+        st.update(state="running" if v.go else "waiting", attempt=v.go, note=a.reason)
+    return st
+
+
+# -- a host's decision (pure) --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HostView:
+    point: str | None                  # the first point not finished or failed (None: none left)
+    go: int = 0
+    exited: bool = False               # this host's exit for attempt `go` is written
+    started: bool = False              # … and its start marker
+    abort: str | None = None
+    stop: bool = False
+    leader_age: float | None = None    # seconds since the leader's heartbeat; None on the leader
+    child: tuple[str, int] | None = None   # (point, attempt) of this host's live child
+    killing: bool = False              # its SIGTERM was sent
+
+
+def host_decide(v: HostView, lost_after_s: float) -> tuple[str, str]:
+    """(what this host does, why): run | kill | close | start | idle | exit."""
+    if v.child is not None:
+        if v.killing:
+            return "run", "waiting for the child to exit"
+        if v.stop:
+            return "kill", "stop requested"
+        if v.abort:
+            return "kill", f"attempt aborted: {v.abort}"
+        if v.child != (v.point, v.go):
+            return "kill", f"the leader moved on to {v.point} attempt {v.go}"
+        if v.leader_age is not None and v.leader_age > lost_after_s:
+            return "kill", f"the leader ({label(LEADER)}) is lost: heartbeat {v.leader_age:.0f} s old"
+        return "run", ""
+    if v.go and not v.exited and (v.started or v.abort or v.stop):  # an exit without a child to reap
+        return "close", ("restarted during the attempt; its child was lost with the VM" if v.started
+                         else f"aborted before it started: {v.abort}" if v.abort
+                         else "stop requested before it started")
+    if v.stop:
+        return "exit", "stop requested"
+    if v.point is None:
+        return "exit", "every point is finished or failed"
+    if v.go and not v.exited:
+        return "start", ""
+    return "idle", ""
+
+
+# -- host identity ---------------------------------------------------------------------------------------
+def metadata(key: str, timeout: float = 5.0) -> str | None:
+    """A TPU VM's metadata attribute (None off GCE)."""
+    req = urllib.request.Request(METADATA + key, headers={"Metadata-Flavor": "Google"})
+    for _ in range(3):
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.read().decode()
+        except OSError:
+            time.sleep(0.5)
+    return None
+
+
+def identity(env=None, meta: Callable[[str], str | None] = metadata) -> tuple[int, int]:
+    """(slice, worker) of this host (see the module docstring)."""
+    env = os.environ if env is None else env
+    if env.get(ENV_SLICE) is not None or env.get(ENV_WORKER) is not None:
+        return int(env.get(ENV_SLICE, "0")), int(env[ENV_WORKER])
+    s = env.get("MEGASCALE_SLICE_ID")
+    if s is None:
+        tpu_env = meta("tpu-env") or ""
+        s = next((line.split(":", 1)[1].strip().strip("'\"") for line in tpu_env.splitlines()
+                  if line.split(":", 1)[0].strip() == "MEGASCALE_SLICE_ID"), None)
+    w = meta("agent-worker-number")
+    if w is None or not w.strip().isdigit():
+        raise ConfigError(ENV_WORKER, "not a TPU VM (no metadata attribute agent-worker-number) and "
+                          f"{ENV_SLICE}/{ENV_WORKER} are unset; set them to this host's slice and worker")
+    return int(s or 0), int(w)
+
+
+# -- the loop (I/O) --------------------------------------------------------------------------------------
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), None when it is gone: pid + this + boot id
+    name one process, not a later one that reuses the pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class Agent:
+    def __init__(self, plan: dict, slice_: int, worker: int, work: Path, say=print):
+        self.plan, self.me = plan, f"{slice_}-{worker}"
+        self.hosts = hosts(plan)
+        if self.me not in self.hosts:
+            raise ConfigError(ENV_WORKER, f"this host is slice {slice_} worker {worker}, but the plan has "
+                              f"{plan['slices']} slice(s) of {plan['hosts_per_slice']} host(s)")
+        self.lead = self.me == LEADER
+        self.L = Layout(plan["base"])
+        self.work = Path(work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._say = say
+        self.final: set[str] = set()  # points known finished or failed
+        self.child: subprocess.Popen | None = None
+        self.child_of: tuple[str, int] | None = None
+        self.child_log: Path | None = None
+        self.kill: tuple[str, float, bool] | None = None  # (reason, SIGKILL deadline, stopping)
+        self.killed_hard = False
+        self.state, self.note, self.point, self.attempt = "idle", "", None, 0
+        self.last_upload = 0.0
+        self.signalled: str | None = None
+
+    # -- small I/O helpers
+    def say(self, msg: str) -> None:
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {label(self.me)}: {msg}"
+        self._say(line)
+        with open(self.work / "agent.log", "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def upload(self, local: Path, remote) -> None:
+        if local.exists():
+            atomic_write_text(remote, local.read_text(encoding="utf-8", errors="replace"))
+
+    def upload_logs(self, now: float, force: bool = False) -> None:
+        if not force and now - self.last_upload < float(self.plan["log_upload_s"]):
+            return
+        self.last_upload = now
+        if self.child_of is not None and self.child_log is not None:
+            self.upload(self.child_log, self.L.log(*self.child_of, self.me))
+        self.upload(self.work / "agent.log", self.L.agent_log(self.me))
+
+    def heartbeat(self, now: float) -> None:
+        atomic_write_json(self.L.beat(self.me), {
+            "host": self.me, "point": self.point, "attempt": self.attempt, "state": self.state,
+            "pid": os.getpid(), "child": self.child.pid if self.child else None, "note": self.note,
+            "leader": self.lead, "time": now})
+
+    def current_point(self) -> dict | None:
+        for pt in self.plan["points"]:
+            if pt["name"] in self.final:
+                continue
+            if (read_json(self.L.status(pt["name"]), {}) or {}).get("state") in ("finished", "failed"):
+                self.final.add(pt["name"])
+                continue
+            return pt
+        return None
+
+    # -- the child
+    def local_log(self, point: str, n: int) -> Path:
+        return self.work / "logs" / point / f"attempt-{n}.log"
+
+    def child_env(self, n: int) -> dict[str, str]:
+        env = dict(os.environ, **{k: str(v) for k, v in self.plan["env"].items()})
+        env[ENV_ATTEMPT] = str(n)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if "DILOCO_COORDINATOR" not in env:
+            env.setdefault("DILOCO_DISTRIBUTED", "auto")  # a TPU pod: JAX finds its peers from the metadata
+        return env
+
+    def start(self, pt: dict, n: int, now: float) -> None:
+        atomic_write_json(self.L.attempt(pt["name"], n) / f"{self.me}.start", {"time": now, "pid": os.getpid()})
+        program = self.plan.get("program") or [sys.executable, "-m", "diloco.cli"]
+        cmd = [*program, *pt["argv"]]
+        log = self.local_log(pt["name"], n)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            self.child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=self.child_env(n), start_new_session=True)
+        self.child_of, self.child_log, self.kill, self.killed_hard = (pt["name"], n), log, None, False
+        atomic_write_json(self.work / "child.json", {"pid": self.child.pid, "boot": boot_id(),
+                                                     "ticks": start_ticks(self.child.pid), "point": pt["name"],
+                                                     "attempt": n})
+        self.say(f"{pt['name']} attempt {n}: started pid {self.child.pid}: {' '.join(cmd)}")
+
+    def signal_child(self, sig: int) -> None:
+        try:
+            os.killpg(self.child.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def reap(self, now: float) -> None:
+        """The child has exited: kill what is left of its group, upload its log, write the exit."""
+        rc = self.child.returncode
+        self.signal_child(signal.SIGKILL)  # anything it left behind holds no chip either
+        point, n = self.child_of
+        if self.kill:
+            reason = self.kill[0] + ("; SIGKILL after the grace period" if self.killed_hard else "")
+        elif rc == 0:
+            reason = "exited 0"
+        else:
+            reason = f"exited with code {rc}" + (f": {last_line(self.child_log)}" if last_line(self.child_log) else "")
+        self.upload(self.child_log, self.L.log(point, n, self.me))
+        stopping = bool(self.kill and self.kill[2])
+        atomic_write_json(self.L.attempt(point, n) / f"{self.me}.json",
+                          {"code": rc, "reason": reason, "stopped": stopping and rc != 0, "killed": bool(self.kill),
+                           "time": now})
+        self.say(f"{point} attempt {n}: child exited with code {rc} ({reason})")
+        (self.work / "child.json").unlink(missing_ok=True)
+        self.child, self.child_of, self.kill = None, None, None
+
+    def close(self, point: str, n: int, reason: str, stopping: bool, now: float) -> None:
+        """The exit of an attempt this host has no child for (lost with the VM, or never started)."""
+        log = self.local_log(point, n)
+        self.upload(log, self.L.log(point, n, self.me))  # what the lost child had written, if it survived
+        atomic_write_json(self.L.attempt(point, n) / f"{self.me}.json",
+                          {"code": None, "reason": reason, "stopped": stopping, "killed": False, "time": now})
+        self.say(f"{point} attempt {n}: {reason}")
+
+    def kill_orphan(self) -> None:
+        """A child an earlier agent on this host started (the agent died, the VM did not): end it."""
+        rec = read_json(self.work / "child.json")
+        if not rec:
+            return
+        pid = int(rec["pid"])
+        if rec.get("boot") == boot_id() and rec.get("ticks") is not None and start_ticks(pid) == rec["ticks"]:
+            self.say(f"killing pid {pid}, a child of an earlier agent ({rec['point']} attempt {rec['attempt']})")
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.time() + 30
+            while start_ticks(pid) == rec["ticks"] and time.time() < deadline:
+                time.sleep(0.1)
+        (self.work / "child.json").unlink(missing_ok=True)
+
+    # -- one poll
+    def lead_point(self, pt: dict, v: PointView) -> PointView:
+        a = decide(v, int(self.plan["max_attempts"]), float(self.plan["lost_after_s"]))
+        st = next_status(v.status, a, v)
+        if a.kind == "go":
+            atomic_write_json(self.L.status(pt["name"]), st)
+            atomic_write_json(self.L.go(pt["name"], a.attempt), {"attempt": a.attempt, "time": v.now,
+                                                                   "after": a.reason})
+            self.say(f"{pt['name']}: go attempt {a.attempt}" + (f" (attempt {v.go}: {a.reason})" if v.go else ""))
+            return dataclasses.replace(v, go=a.attempt, abort=None, exits={}, starts=frozenset(), status=st)
+        if a.kind == "abort":
+            atomic_write_text(self.L.attempt(pt["name"], a.attempt) / "abort", a.reason)
+            self.say(f"{pt['name']}: abort attempt {a.attempt}: {a.reason}")
+            v = dataclasses.replace(v, abort=a.reason)
+        elif a.kind in ("finish", "fail"):
+            self.say(f"{pt['name']}: {'finished' if a.kind == 'finish' else 'failed'}: {a.reason}")
+            self.final.add(pt["name"])
+        if st != v.status:
+            atomic_write_json(self.L.status(pt["name"]), st)
+        return dataclasses.replace(v, status=st)
+
+    def step(self, now: float | None = None) -> bool:
+        """One poll: read, decide, act, heartbeat. False when the agent is done."""
+        now = time.time() if now is None else now
+        stop = self.L.stop.exists() or self.signalled is not None
+        if self.child is not None and self.child.poll() is not None:
+            self.reap(now)
+        pt = self.current_point()
+        if pt is not None:
+            v = read_view(self.L, pt, self.hosts, self.me, now, stop)
+            if self.lead:  # its own heartbeat is what it knows now, not what it wrote a poll ago
+                beats = {**v.beats, self.me: {"state": "idle" if self.child is None else "running", "time": now}}
+                v = self.lead_point(pt, dataclasses.replace(v, beats=beats))
+                if pt["name"] in self.final:
+                    pt = self.current_point()
+                    v = read_view(self.L, pt, self.hosts, self.me, now, stop) if pt else v
+            hv = HostView(pt["name"] if pt else None, v.go, self.me in v.exits, self.me in v.starts, v.abort, stop,
+                          None if self.lead else age(v.beats.get(LEADER), now), self.child_of, self.kill is not None)
+        else:
+            hv = HostView(None, stop=stop, child=self.child_of, killing=self.kill is not None)
+        what, why = host_decide(hv, float(self.plan["lost_after_s"]))
+        if what == "kill":
+            stopping = why == "stop requested"
+            grace = float(self.plan["stop_grace_s" if stopping else "abort_grace_s"])
+            self.kill = (why, now + grace, stopping)
+            self.signal_child(signal.SIGTERM)
+            self.say(f"{self.child_of[0]} attempt {self.child_of[1]}: SIGTERM ({why}); SIGKILL in {grace:.0f} s")
+        elif what == "run" and self.kill and now > self.kill[1] and not self.killed_hard:
+            self.signal_child(signal.SIGKILL)
+            self.killed_hard = True
+            self.say(f"{self.child_of[0]} attempt {self.child_of[1]}: SIGKILL (still running after the grace period)")
+        elif what == "close":
+            self.close(pt["name"], v.go, why, stop, now)
+        elif what == "start":
+            self.start(pt, v.go, now)
+        self.point, self.attempt = (self.child_of if self.child_of else (hv.point, hv.go))
+        self.state = ("stopping" if self.kill else "running") if self.child else \
+            ("stopped" if stop else "done") if what == "exit" else "idle"
+        self.note = why
+        if what == "exit":
+            self.say(f"exiting: {why}")
+        self.upload_logs(now, force=what in ("exit", "close"))
+        self.heartbeat(now)
+        if what == "exit" and self.lead and pt is None and self.plan.get("teardown") and not stop:
+            self.teardown()
+        return what != "exit"
+
+    def teardown(self) -> None:
+        """Every point is finished or failed: delete the queued resource (this VM goes with it), once the
+        other hosts have said they are done (or after lost_after_s)."""
+        p = self.plan
+        deadline = time.time() + float(p["lost_after_s"])
+        while time.time() < deadline:
+            beats = [read_json(self.L.beat(h)) or {} for h in self.hosts]
+            if all(b.get("state") == "done" or age(b, time.time()) > float(p["lost_after_s"]) for b in beats):
+                break
+            time.sleep(float(p["poll_s"]))
+        cmd = ["gcloud", "compute", "tpus", "queued-resources", "delete", p["qr"], f"--zone={p['zone']}",
+               *([f"--project={p['project']}"] if p.get("project") else []), "--force", "--quiet", "--async"]
+        self.say("teardown: " + " ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        self.say(f"teardown: exit {r.returncode} {(r.stdout + r.stderr).strip()[-500:]}")
+        self.upload_logs(time.time(), force=True)
+
+    def run(self) -> int:
+        def on_signal(signum, _):
+            self.signalled = signal.Signals(signum).name
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, on_signal)
+        self.say(f"agent pid {os.getpid()} for sweep {self.plan['sweep']} ({len(self.plan['points'])} points, "
+                 f"{len(self.hosts)} hosts){' — the leader' if self.lead else ''}; work folder {self.work}")
+        self.kill_orphan()
+        while True:
+            try:
+                if not self.step():
+                    return 0
+            except Exception as e:  # a bucket hiccup must not end the agent: say it, try again next poll
+                self.say(f"error in this poll (retrying): {type(e).__name__}: {e}")
+            time.sleep(float(self.plan["poll_s"]))
+
+
+def last_line(log: Path | None) -> str:
+    if log is None or not log.exists():
+        return ""
+    lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    return lines[-1][-300:] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m diloco.tpu.agent", description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", required=True, help="BASE/_launch/plan.json (gs:// or a local folder)")
+    ap.add_argument("--work", default=None, help="local folder for logs and the child's pid "
+                    "(default ~/.diloco-agent/SWEEP)")
+    args = ap.parse_args(argv)
+    fresh_reads()
+    try:
+        plan = load_plan(args.plan)
+        s, w = identity()
+        work = Path(args.work or Path.home() / ".diloco-agent" / plan["sweep"])
+        agent = Agent(plan, s, w, work, say=lambda line: print(line, flush=True))
+    except ConfigError as e:
+        print(f"diloco agent: bad input: {e}", file=sys.stderr)
+        return 2
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

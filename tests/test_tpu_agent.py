@@ -1,0 +1,438 @@
+"""The pod-side driver (diloco/tpu/agent.py) and `status`: decisions by table, then agents as real
+processes on a local root (etils.epath serves local folders and gs:// alike) running a stand-in for
+`diloco train` (the plan's `program`), fast enough for the default tier. The same agents with the
+real `diloco train` on a GCS emulator and a stub gcloud: tests/test_tpu_e2e.py."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from diloco.rundir import atomic_write_json, atomic_write_text, read_json
+from diloco.tpu import agent as A
+from diloco.tpu import status as S
+
+H4 = ("0-0", "0-1", "1-0", "1-1")
+NOW = 1000.0
+
+
+def beat(state="idle", ago=2.0, **kw):
+    return {"state": state, "time": NOW - ago, **kw}
+
+
+def ex(code, reason="", stopped=False):
+    return {"code": code, "reason": reason or f"exited with code {code}", "stopped": stopped}
+
+
+def view(go=0, exits=None, beats=None, abort=None, summary=False, status=None, stop=False, starts=()):
+    beats = {h: beat("running" if go and h not in (exits or {}) else "idle") for h in H4} if beats is None else beats
+    return A.PointView(H4, go, abort, exits or {}, frozenset(starts), beats, summary, status or {}, stop, NOW)
+
+
+def all_exit(code=0, **over):
+    return {h: over.get(h, ex(code)) for h in H4}
+
+
+FAILED = {"attempts": {"1": {"result": "failed", "reason": "x"}, "2": {"result": "failed", "reason": "y"}}}
+DECIDE = [
+    # (what the bucket says, the leader's action kind, attempt, words the reason must contain)
+    ("fresh sweep, every host idle", view(), "go", 1, []),
+    ("a host never heartbeat yet", view(beats={h: beat() for h in H4[:3]}), "wait", 0,
+     ["slice1-worker1 (no heartbeat yet)"]),
+    ("a host still busy with the last point", view(beats={**{h: beat() for h in H4}, "1-0": beat("running")}),
+     "wait", 0, ["slice1-worker0 (running)"]),
+    ("attempt running", view(go=1), "wait", 1, ["running"]),
+    ("one exit 1 → abort with its reason", view(go=1, exits={"1-0": ex(1, "exited with code 1: boom")}),
+     "abort", 1, ["slice1-worker0 exited with code 1: boom"]),
+    ("an exit 0 alone is no reason to abort", view(go=1, exits={"0-1": ex(0)}), "wait", 1, ["running"]),
+    ("stale heartbeat → host lost", view(go=1, beats={**{h: beat("running") for h in H4}, "1-1": beat("running", 121)}),
+     "abort", 1, ["slice1-worker1 lost"]),
+    ("aborted, a host not yet reaped", view(go=1, abort="r", exits={h: ex(1) for h in H4[:3]}), "wait", 1,
+     ["waiting for the exit of slice1-worker1"]),
+    ("aborted, the lost host not back", view(go=1, abort="r", exits={h: ex(1) for h in H4[:3]},
+                                            beats={**{h: beat() for h in H4[:3]}, "1-1": beat("running", 500)}),
+     "wait", 1, ["slice1-worker1 lost"]),
+    ("all exited 0 + summary → finished", view(go=1, exits=all_exit(0), summary=True), "finish", 1, []),
+    ("all exited 0, no summary → next attempt", view(go=1, exits=all_exit(0)), "go", 2, ["no summary.json"]),
+    ("one exit 1, every host idle → next attempt with the reason",
+     view(go=1, abort="slice1-worker0 exited with code 1: boom", exits=all_exit(130, **{"1-0": ex(1)})),
+     "go", 2, ["slice1-worker0 exited with code 1: boom"]),
+    ("attempt over but a host not idle yet", view(go=1, abort="r", exits=all_exit(1),
+                                                 beats={**{h: beat() for h in H4}, "0-1": beat("running")}),
+     "wait", 1, ["slice0-worker1 (running)"]),
+    ("attempts exhausted → failed", view(go=3, abort="boom again", exits=all_exit(1), status=FAILED), "fail", 3,
+     ["attempt 3 (of at most 3): boom again"]),
+    ("a stopped attempt does not count",
+     view(go=3, abort="z", exits=all_exit(1), status={"attempts": {**FAILED["attempts"], "2": {"result": "stopped"}}}),
+     "go", 4, ["z"]),
+    ("stop marker while running: wait, no abort", view(go=1, exits={"1-0": ex(130, stopped=True)}, stop=True),
+     "wait", 1, ["stop requested"]),
+    ("stop marker, all stopped: no new attempt", view(go=1, exits=all_exit(130, **{h: ex(130, stopped=True)
+                                                                                 for h in H4}), stop=True),
+     "wait", 1, ["stop requested"]),
+    ("after a stop, the restarted pod resumes; the stopped attempt is not counted",
+     view(go=3, exits={h: ex(130, stopped=True) for h in H4}, status=FAILED), "go", 4, ["stopped"]),
+    ("a restarted leader mid-point: waits on the running attempt, never re-issues it",
+     view(go=2, exits={"1-1": ex(0)}, status={"state": "running", "attempt": 2, "attempts": {"1": {"result": "failed"}}}),
+     "wait", 2, ["running"]),
+]
+
+
+@pytest.mark.parametrize("case", DECIDE, ids=[c[0] for c in DECIDE])
+def test_decide(case):
+    _, v, kind, attempt, words = case
+    a = A.decide(v, max_attempts=3, lost_after_s=120)
+    assert (a.kind, a.attempt) == (kind, attempt), a
+    for w in words:
+        assert w in a.reason, (w, a.reason)
+
+
+CHILD = ("p", 1)
+HOST = [
+    # (view, (what, words in why))
+    (A.HostView("p", 1, child=CHILD, leader_age=3), ("run", "")),
+    (A.HostView("p", 1, child=CHILD, abort="boom"), ("kill", "attempt aborted: boom")),
+    (A.HostView("p", 1, child=CHILD, stop=True), ("kill", "stop requested")),
+    (A.HostView("p", 1, child=CHILD, leader_age=121), ("kill", "the leader (slice0-worker0) is lost")),
+    (A.HostView("p", 1, child=CHILD, leader_age=121, killing=True), ("run", "waiting")),
+    (A.HostView("p", 2, child=CHILD), ("kill", "moved on to p attempt 2")),
+    (A.HostView("p", 1), ("start", "")),
+    (A.HostView("p", 1, started=True), ("close", "restarted during the attempt")),
+    (A.HostView("p", 1, abort="boom"), ("close", "aborted before it started: boom")),
+    (A.HostView("p", 1, stop=True), ("close", "stop requested before it started")),
+    (A.HostView("p", 1, exited=True, stop=True), ("exit", "stop requested")),
+    (A.HostView("p", 1, exited=True, abort="x", leader_age=500), ("idle", "")),
+    (A.HostView("p", 0), ("idle", "")),
+    (A.HostView(None), ("exit", "every point is finished or failed")),
+]
+
+
+@pytest.mark.parametrize("v,want", HOST)
+def test_host_decide(v, want):
+    what, why = A.host_decide(v, lost_after_s=120)
+    assert what == want[0] and want[1] in why, (what, why)
+
+
+def test_status_record_of_a_retried_attempt_is_idempotent():
+    v = view(go=1, abort="slice1-worker0 exited with code 1: boom", exits=all_exit(130, **{"1-0": ex(1)}),
+             status={"state": "running", "attempt": 1, "attempts": {"1": {"started": 900.0}}})
+    a = A.decide(v, 3, 120)
+    st = A.next_status(v.status, a, v)
+    assert st["state"] == "running" and st["attempt"] == 2
+    assert st["attempts"]["1"] == {"started": 900.0, "ended": NOW, "result": "failed",
+                                   "reason": "slice1-worker0 exited with code 1: boom",
+                                   "exits": {"0-0": 130, "0-1": 130, "1-0": 1, "1-1": 130}}
+    assert st["attempts"]["2"] == {"started": NOW}
+    later = A.dataclasses.replace(v, now=NOW + 50, status=st)
+    assert A.next_status(st, a, later) == st  # a leader restarted between status and go-2 writes the same
+
+
+def test_identity_from_overrides_then_tpu_metadata():
+    assert A.identity({"DILOCO_TPU_SLICE": "1", "DILOCO_TPU_WORKER": "3"}, lambda k: None) == (1, 3)
+    meta = {"agent-worker-number": "2", "tpu-env": "ACCELERATOR_TYPE: 'v5p-16'\nMEGASCALE_SLICE_ID: '1'\n"}
+    assert A.identity({}, meta.get) == (1, 2)
+    assert A.identity({"MEGASCALE_SLICE_ID": "0"}, meta.get) == (0, 2)  # the environment wins, as in JAX
+    assert A.identity({}, {"agent-worker-number": "0"}.get) == (0, 0)  # one slice: no MEGASCALE_* at all
+    with pytest.raises(A.ConfigError, match="DILOCO_TPU_WORKER"):
+        A.identity({}, lambda k: None)
+
+
+def test_plan_errors_name_the_field(tmp_path):
+    with pytest.raises(A.ConfigError, match="--plan"):
+        A.load_plan(str(tmp_path / "nope.json"))
+    atomic_write_json(tmp_path / "p.json", {"base": "x", "sweep": "s", "slices": 1, "points": []})
+    with pytest.raises(A.ConfigError, match="plan.hosts_per_slice"):
+        A.load_plan(str(tmp_path / "p.json"))
+    plan = A.load_plan(str(_plan(tmp_path / "b", ["a"])))
+    with pytest.raises(A.ConfigError, match="plan has 1 slice"):
+        A.Agent(plan, 1, 0, tmp_path / "w")
+
+
+# -- agents as processes ---------------------------------------------------------------------------------
+# The stand-in for `diloco train` on one host: records when it ran, fails where told, SIGTERM → exit 130
+# (as train does after saving a checkpoint); process 0 writes summary.json when it ends well.
+FAKE = r'''
+import json, os, signal, sys, time
+from pathlib import Path
+a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+wd = Path(a["--workdir"]); wd.mkdir(parents=True, exist_ok=True)
+host = os.environ["DILOCO_TPU_SLICE"] + "-" + os.environ["DILOCO_TPU_WORKER"]
+n = int(os.environ["DILOCO_TPU_ATTEMPT"])
+t0 = time.time()
+def done(code, what):
+    (wd / f"run-{host}-{n}.json").write_text(json.dumps({"start": t0, "end": time.time(), "code": code, "what": what}))
+    print(f"fake {host} attempt {n}: {what}", flush=True)
+    os._exit(code)
+if a.get("--ignore-term") == host:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: done(130, "SIGTERM: saved a checkpoint"))
+print(f"fake {host} attempt {n}: started", flush=True)
+if a.get("--fail") in (f"{host}:{n}", f"{host}:*"):
+    time.sleep(0.3)
+    done(1, "boom")
+secs = [float(s) for s in a.get("--seconds", "1").split(",")]
+time.sleep(secs[min(n, len(secs)) - 1])
+if host == "0-0":
+    (wd / "summary.json").write_text(json.dumps({"final_eval_loss": 1.25, "params_sha256": "ab" * 32}))
+done(0, "done")
+'''
+FAST = {"poll_s": 0.1, "log_upload_s": 0.5, "lost_after_s": 5, "abort_grace_s": 2, "stop_grace_s": 20}
+
+
+def _plan(base: Path, points, slices=1, hosts_per_slice=2, args=None, **kw) -> Path:
+    fake = base.parent / "fake_train.py"
+    fake.write_text(FAKE)
+    args = args or {}
+    plan = {"version": 1, "sweep": base.name, "base": str(base), "qr": "qr", "zone": "z", "project": "",
+            "accelerator": "v5p-16", "slices": slices, "hosts_per_slice": hosts_per_slice, "max_attempts": 3,
+            "teardown": False, "env": {"FAKE_ENV": "1"}, "program": [sys.executable, str(fake)], **FAST, **kw,
+            "points": [{"name": p, "workdir": str(base / p), "argv": ["--workdir", str(base / p), *args.get(p, [])]}
+                       for p in points]}
+    atomic_write_json(base / "_launch" / "plan.json", plan)
+    return base / "_launch" / "plan.json"
+
+
+class Pod:
+    """Agents as local processes, one per host (what startup.sh starts on each TPU VM)."""
+
+    def __init__(self, plan: Path, tmp: Path):
+        self.plan, self.tmp = plan, tmp
+        self.base = Path(read_json(plan)["base"])
+        p = read_json(plan)
+        self.hosts = A.hosts(p)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, *hosts):
+        for h in hosts or self.hosts:
+            s, w = h.split("-")
+            env = dict(os.environ, DILOCO_TPU_SLICE=s, DILOCO_TPU_WORKER=w)
+            out = open(self.tmp / f"agent-{h}.out", "ab")
+            self.procs[h] = subprocess.Popen(
+                [sys.executable, "-m", "diloco.tpu.agent", "--plan", str(self.plan), "--work", str(self.tmp / f"work-{h}")],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+            out.close()
+
+    def kill(self, h):
+        """The VM goes away: its agent and its child, at once."""
+        child = read_json(self.tmp / f"work-{h}" / "child.json")
+        os.killpg(self.procs[h].pid, signal.SIGKILL)
+        if child:
+            os.killpg(child["pid"], signal.SIGKILL)
+        self.procs[h].wait()
+
+    def wait(self, timeout=90):
+        deadline = time.time() + timeout
+        for h, p in self.procs.items():
+            try:
+                assert p.wait(max(1, deadline - time.time())) == 0, self.out(h)
+            except subprocess.TimeoutExpired:
+                self.close()
+                pytest.fail(f"agent {h} still running after {timeout} s:\n" + self.outs())
+
+    def out(self, h) -> str:
+        return (self.tmp / f"agent-{h}.out").read_text()
+
+    def outs(self) -> str:
+        return "\n".join(f"--- {h}\n{self.out(h)[-3000:]}" for h in self.procs)
+
+    def close(self):
+        for h, p in self.procs.items():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            child = read_json(self.tmp / f"work-{h}" / "child.json")
+            if child:
+                try:
+                    os.killpg(child["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def status(self, point):
+        return read_json(self.base / point / "_state" / "status.json", {})
+
+    def runs(self, point) -> dict:
+        return {f.stem[4:]: json.loads(f.read_text()) for f in (self.base / point).glob("run-*.json")}
+
+
+def until(cond, timeout=60, what="", pod=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}\n" + (pod.outs() if pod else ""))
+
+
+@pytest.fixture
+def pod(tmp_path):
+    pods = []
+
+    def make(*a, **kw):
+        p = Pod(_plan(tmp_path / "sweep", *a, **kw), tmp_path)
+        pods.append(p)
+        return p
+
+    yield make
+    for p in pods:
+        p.close()
+
+
+def test_a_failing_host_is_retried_and_the_next_point_starts_on_free_chips(pod):
+    """2 slices × 2 hosts. Point a: slice1-worker0 fails in attempt 1 → abort → the others' children
+    get SIGTERM → attempt 2 on all four → finished. Point b starts only after every a child exited."""
+    p = pod(["a", "b"], slices=2, hosts_per_slice=2,
+            args={"a": ["--fail", "1-0:1", "--seconds", "30,1"], "b": ["--seconds", "0.5"]})
+    p.start()
+    p.wait()
+    a, b = p.status("a"), p.status("b")
+    assert (a["state"], a["attempt"], b["state"], b["attempt"]) == ("finished", 2, "finished", 1)
+    assert a["attempts"]["1"]["result"] == "failed"
+    assert a["attempts"]["1"]["reason"] == "slice1-worker0 exited with code 1: fake 1-0 attempt 1: boom"
+    assert a["attempts"]["1"]["exits"] == {"0-0": 130, "0-1": 130, "1-0": 1, "1-1": 130}
+    att1 = p.base / "a" / "_state" / "attempt-1"
+    for h in ("0-0", "0-1", "1-1"):
+        e = read_json(att1 / f"{h}.json")
+        assert e["reason"].startswith("attempt aborted: slice1-worker0 exited with code 1") and not e["stopped"]
+    runs_a, runs_b = p.runs("a"), p.runs("b")
+    assert sorted(runs_a) == sorted(f"{h}-{n}" for h in H4 for n in (1, 2))
+    # the next attempt and the next point start only after every child of the previous one was reaped
+    assert min(r["start"] for k, r in runs_a.items() if k.endswith("-2")) > \
+        max(r["end"] for k, r in runs_a.items() if k.endswith("-1"))
+    assert min(r["start"] for r in runs_b.values()) > max(r["end"] for r in runs_a.values())
+    # logs per attempt and host; attempt 2 did not overwrite attempt 1
+    logs = p.base / "a" / "logs"
+    assert "boom" in (logs / "attempt-1" / "slice1-worker0.log").read_text()
+    assert "SIGTERM" in (logs / "attempt-1" / "slice0-worker1.log").read_text()
+    assert "attempt 2: done" in (logs / "attempt-2" / "slice1-worker0.log").read_text()
+    assert "attempt 2" not in (logs / "attempt-1" / "slice1-worker0.log").read_text()
+    beats = {h: read_json(p.base / "_pod" / "hosts" / f"{h}.json") for h in H4}
+    assert {b["state"] for b in beats.values()} == {"done"}
+    assert "abort attempt 1: slice1-worker0 exited with code 1" in (p.base / "_pod" / "logs" /
+                                                                   "slice0-worker0.agent.log").read_text()
+    rep = S.collect(str(p.base))
+    text = S.render(rep)
+    assert S.exit_code(rep) == 0
+    assert f"a  finished  final_eval_loss 1.25  params_sha256 {'ab' * 32} (earlier: attempt 1: slice1-worker0 " \
+           "exited with code 1" in text
+    assert f"b  finished  final_eval_loss 1.25  params_sha256 {'ab' * 32}\n" in text
+
+
+def test_a_lost_host_is_waited_for_and_its_rejoining_agent_resumes_the_point(pod):
+    """slice0-worker1 dies with its child (a VM lost to maintenance): the leader sees its heartbeat go
+    stale, aborts, waits; the repaired host's agent rejoins, closes the lost attempt, attempt 2 runs."""
+    p = pod(["a", "b"], args={"a": ["--seconds", "60,1"], "b": ["--seconds", "0.2"]})
+    p.start()
+    att1 = p.base / "a" / "_state" / "attempt-1"
+    log1 = p.base / "a" / "logs" / "attempt-1" / "slice0-worker1.log"
+    until(lambda: log1.exists() and "started" in log1.read_text(), what="a log upload while running", pod=p)
+    rep = S.collect(str(p.base))
+    assert [(x["name"], x["state"]) for x in rep["points"]] == [("a", "running"), ("b", "waiting")]
+    assert "a  running   attempt 1  no metrics row yet" in S.render(rep)
+    p.kill("0-1")
+    t_kill = time.time()
+    until(lambda: (att1 / "abort").exists(), what="the abort", pod=p)
+    assert time.time() - t_kill >= FAST["lost_after_s"] - 0.5  # noticed by the stale heartbeat, not before
+    assert "slice0-worker1 lost" in (att1 / "abort").read_text()
+    until(lambda: (att1 / "0-0.json").exists(), what="the leader's child reaped", pod=p)
+    assert read_json(att1 / "0-0.json")["code"] == 130
+    time.sleep(1.0)
+    rep = S.collect(str(p.base))
+    text = S.render(rep)
+    assert not (p.base / "a" / "_state" / "go-2.json").exists()  # no new attempt without the lost host
+    assert "attempt 1 aborted; waiting for the exit of slice0-worker1 lost" in text
+    assert [h["lost"] for h in rep["hosts"]] == [False, True]
+    assert "slice0-worker1" in text and "lost? running a attempt 1" in text
+    p.start("0-1")  # the repaired VM reruns startup.sh
+    p.wait()
+    e = read_json(att1 / "0-1.json")
+    assert e["code"] is None and "restarted during the attempt" in e["reason"]
+    a = p.status("a")
+    assert (a["state"], a["attempt"]) == ("finished", 2)
+    assert "slice0-worker1 lost" in a["attempts"]["1"]["reason"]
+    assert p.status("b")["state"] == "finished"
+    assert "fake 0-1 attempt 1: started" in log1.read_text()
+
+
+def test_stop_waits_for_every_child_then_start_resumes_without_counting_the_stop(pod):
+    """The stop marker: every agent SIGTERMs its child (train saves a checkpoint) and exits after
+    reaping it; `status --wait-stopped` returns only then. Started again, the point resumes; with
+    max_attempts=1 it still finishes (a stopped attempt is not a failed one)."""
+    p = pod(["a"], max_attempts=1, args={"a": ["--seconds", "60,1"]})
+    p.start()
+    att1 = p.base / "a" / "_state" / "attempt-1"
+    logs = [p.base / "a" / "logs" / "attempt-1" / f"{A.label(h)}.log" for h in p.hosts]
+    until(lambda: all(f.exists() and "started" in f.read_text() for f in logs), what="both running", pod=p)
+    assert S.busy(str(p.base))  # `launch_tpu.sh down` refuses now
+    atomic_write_text(p.base / "_launch" / "control" / "stop", "stop\n")
+    assert S.wait_stopped(str(p.base), timeout=30, poll=0.1, say=lambda s: None) == 0
+    for h in p.hosts:  # what the child saved on SIGTERM is there when the wait returns
+        assert p.runs("a")[f"{h}-1"]["what"] == "SIGTERM: saved a checkpoint"
+        assert read_json(att1 / f"{h}.json") == {**read_json(att1 / f"{h}.json"), "code": 130, "stopped": True}
+    p.wait(timeout=10)  # the agents exit after a stop
+    assert not S.busy(str(p.base))
+    rep = S.collect(str(p.base))
+    assert rep["points"][0]["state"] == "stopped" and S.exit_code(rep) == 2
+    assert "stop requested (launch_tpu.sh stop)" in S.render(rep)
+    (p.base / "_launch" / "control" / "stop").unlink()  # `launch_tpu.sh start` removes the marker
+    p.start()
+    p.wait()
+    a = p.status("a")
+    assert (a["state"], a["attempt"]) == ("finished", 2) and a["attempts"]["1"]["result"] == "stopped"
+
+
+def test_attempts_exhausted_fail_the_point_with_its_log_and_the_sweep_goes_on(pod, capsys):
+    """A host fails every attempt: after max_attempts the point is failed (reason recorded, last log
+    lines in status) and the next point runs. A child that ignores SIGTERM is SIGKILLed after the
+    abort grace period."""
+    p = pod(["bad", "good"], max_attempts=2,
+            args={"bad": ["--fail", "0-1:*", "--ignore-term", "0-0", "--seconds", "60"], "good": ["--seconds", "0.2"]})
+    p.start()
+    p.wait()
+    bad = p.status("bad")
+    assert (bad["state"], bad["attempt"]) == ("failed", 2)
+    assert bad["reason"] == "attempt 2 (of at most 2): slice0-worker1 exited with code 1: fake 0-1 attempt 2: boom"
+    e = read_json(p.base / "bad" / "_state" / "attempt-2" / "0-0.json")
+    assert e["code"] == -signal.SIGKILL and e["reason"].endswith("SIGKILL after the grace period")
+    assert p.status("good")["state"] == "finished"
+    assert S.main([str(p.base)]) == 1
+    text = capsys.readouterr().out
+    assert "bad   failed    attempt 2 (of at most 2): slice0-worker1 exited with code 1" in text
+    assert "last lines of slice0-worker1's log (attempt 2):\n      | fake 0-1 attempt 2: started\n" \
+           "      | fake 0-1 attempt 2: boom" in text, text
+    assert "good  finished" in text
+
+
+def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch):
+    """The leader's agent dies mid-point (its child with it) and comes back: from the bucket alone it
+    closes its own lost attempt, aborts, waits for the follower, and starts attempt 2 — never attempt 1
+    again."""
+    base = tmp_path / "sweep"
+    plan = A.load_plan(str(_plan(base, ["a"])))
+    L = A.Layout(str(base))
+    atomic_write_json(L.go("a", 1), {"attempt": 1})
+    atomic_write_json(L.status("a"), {"state": "running", "attempt": 1, "attempts": {"1": {"started": 1.0}}})
+    atomic_write_json(L.attempt("a", 1) / "0-0.start", {})
+    atomic_write_json(L.attempt("a", 1) / "0-1.start", {})
+    t = time.time()
+    atomic_write_json(L.beat("0-1"), {"state": "running", "time": t})
+    monkeypatch.setenv("DILOCO_TPU_SLICE", "0")
+    monkeypatch.setenv("DILOCO_TPU_WORKER", "0")
+    leader = A.Agent(plan, 0, 0, tmp_path / "w", say=lambda s: None)
+    assert leader.step(t)
+    assert read_json(L.attempt("a", 1) / "0-0.json")["code"] is None  # its own exit: the child was lost
+    assert leader.step(t)
+    assert "slice0-worker0 restarted during the attempt" in (L.attempt("a", 1) / "abort").read_text()
+    assert leader.step(t) and not L.go("a", 2).exists()  # the follower has not exited
+    atomic_write_json(L.attempt("a", 1) / "0-1.json", ex(130, "attempt aborted"))
+    atomic_write_json(L.beat("0-1"), {"state": "idle", "time": t})
+    assert leader.step(t)
+    assert L.go("a", 2).exists() and leader.child_of == ("a", 2)
+    leader.child.wait(30)
+    assert read_json(L.status("a"))["attempts"]["1"]["result"] == "failed"
