@@ -115,6 +115,19 @@ def headline(root: Path) -> dict:
     return out
 
 
+def merge_headline(new: dict, old: dict) -> dict:
+    """The committed headline with what this root regenerated: a scaling row replaces the committed row
+    of its (scale, method) in place, a τ×α loss the committed value of its (α, τ); rows and values this
+    root has no runs for are kept (as every other table merges: diloco/report/write.py)."""
+    key = lambda r: (r["scale"], r["method"])
+    fresh = {key(r): r for r in new.get("scaling", [])}
+    scaling = [fresh.pop(key(r), r) for r in old.get("scaling", [])] + list(fresh.values())
+    tau_alpha = {a: {str(t): v for t, v in d.items()} for a, d in old.get("tau_alpha", {}).items()}
+    for a, d in new.get("tau_alpha", {}).items():
+        tau_alpha.setdefault(a, {}).update({str(t): v for t, v in d.items()})
+    return {"scaling": scaling, "tau_alpha": tau_alpha}
+
+
 def headline_text(h: dict) -> str:
     lines = []
     for s in h["scaling"]:
@@ -418,17 +431,17 @@ def main(argv: list[str]) -> int:
         _say(f"tables: diloco tables --root {root} --out {out}")
         files += report.build(root, out)
         steps.append(("tables and plots", f"diloco tables --root {root} --out {out}", 0.0, 0))
-        h = headline(root)
-        if h["scaling"] or h["tau_alpha"]:  # a --full root has neither: keep the committed headline
-            text = json.dumps(h, indent=1) + "\n"
-            if not (out / "headline.json").exists() or (out / "headline.json").read_text() != text:
-                (out / "headline.json").write_text(text)
+        from diloco.report.write import write_if_changed
+        from diloco.rundir import atomic_write_text
+
+        try:
+            committed = json.loads((out / "headline.json").read_text())
+        except (OSError, ValueError):
+            committed = {}
+        h = merge_headline(headline(root), committed)  # a --full root adds nothing to it
+        if h["scaling"] or h["tau_alpha"]:
+            write_if_changed(out / "headline.json", json.dumps(h, indent=1) + "\n", atomic_write_text)
             files.append(out / "headline.json")
-        else:
-            try:
-                h = json.loads((out / "headline.json").read_text())
-            except (OSError, ValueError):
-                pass
         hist_path = root / "reproduce_history.jsonl"
         with open(hist_path, "a") as f:
             f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t_start)),

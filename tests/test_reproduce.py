@@ -1,5 +1,9 @@
-"""diloco reproduce: the up-front estimate (from the root's own finished runs) and the plan of --full."""
+"""diloco reproduce: the up-front estimate (from the root's own finished runs), the plan of --full, the
+headline's merge, and the whole job at a micro budget into a copy of results/ (slow)."""
 import json
+from pathlib import Path
+
+import pytest
 
 from diloco import reproduce, sweep as sw
 
@@ -47,3 +51,83 @@ def test_full_plan_is_the_claims_budget():
             want = {"claims_headline_tiny": (8, 990), "claims_headline_toy": (3, 3130)}[s["name"]]
             assert (s["seeds"], c.steps, c.eval_batches) == (*want, 64)
     assert {"claims_headline_tiny", "claims_headline_toy"} <= {sw.load_sweep(sp)["name"] for _, sp in reproduce.FULL_PLAN}
+
+
+def test_headline_merges_with_the_committed_one():
+    """A root with some of the headline's runs replaces those rows in place and keeps the others
+    (the committed headline.json is never rewritten from the current root alone)."""
+    old = {"scaling": [{"scale": "tiny", "method": "s30", "eval_loss": 2.7}, {"scale": "toy", "method": "s30", "eval_loss": 2.4}],
+           "tau_alpha": {"alpha=0": {"0": 2.84, "5": 2.91}, "alpha=0.5": {"0": 2.81}}}
+    new = {"scaling": [{"scale": "tiny", "method": "s30", "eval_loss": 6.1}, {"scale": "tiny", "method": "s100", "eval_loss": 6.5}],
+           "tau_alpha": {"alpha=0": {0: 6.5, 1: 6.4}}}
+    assert reproduce.merge_headline(new, old) == {
+        "scaling": [{"scale": "tiny", "method": "s30", "eval_loss": 6.1}, {"scale": "toy", "method": "s30", "eval_loss": 2.4},
+                    {"scale": "tiny", "method": "s100", "eval_loss": 6.5}],
+        "tau_alpha": {"alpha=0": {"0": 6.5, "5": 2.91, "1": 6.4}, "alpha=0.5": {"0": 2.81}}}
+    assert reproduce.merge_headline({"scaling": [], "tau_alpha": {}}, old) == old  # a --full root
+    assert reproduce.merge_headline(new, {})["scaling"] == new["scaling"]
+
+
+def _csv_keys(path, key) -> set[tuple]:
+    """The key of every row of a CSV; numbers as floats (a column read as int in one file and float in
+    the other, because of a blank cell, still matches)."""
+    import pandas as pd
+
+    def norm(v):
+        try:
+            return repr(float(v))
+        except (TypeError, ValueError):
+            return str(v)
+
+    df = pd.read_csv(path)
+    return {tuple(norm(v) for v in r) for r in df[list(key)].itertuples(index=False)}
+
+
+@pytest.mark.slow
+def test_reproduce_end_to_end_at_a_micro_budget_loses_nothing(tmp_path):
+    """`diloco reproduce` itself (training, bytes, simulator, tables, headline, README) at 4 steps a run,
+    into a copy of the committed results/: every committed file is still there; a file that changed is a
+    merged table whose committed rows (by its key) are all still in it, or a plot, or the README."""
+    import shutil
+
+    from diloco.report.tables import ABLATION_RESULT_COLS
+    from diloco.report.write import KEYS
+
+    repo = Path(reproduce.__file__).resolve().parents[1]
+    out = tmp_path / "results"
+    shutil.copytree(repo / "results", out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc = reproduce.main(["--root", str(tmp_path / "runs"), "--out", str(out), "--scale", "tiny", "--taus", "0",
+                         "--alphas", "0", "-j", "2", "--set", "steps=4", "--set", "eval_batches=1"])
+    assert rc == 0
+    assert sorted(str(p) for p in before if not (out / p).is_file()) == []
+    changed = {p for p, b in before.items() if (out / p).read_bytes() != b}
+    assert Path("table5_c4_scaling.csv") in changed and Path("headline.json") in changed  # the run did write
+    for p in sorted(changed):
+        old, new = tmp_path / "old" / p, out / p
+        old.parent.mkdir(parents=True, exist_ok=True)
+        old.write_bytes(before[p])
+        if p.suffix == ".csv":
+            import pandas as pd
+
+            cols = list(pd.read_csv(old).columns)
+            key = KEYS.get(p.stem) or tuple(c for c in cols if c not in ABLATION_RESULT_COLS)
+            assert key and _csv_keys(old, key) <= _csv_keys(new, key), p
+        elif p.suffix == ".md" and (out / p.with_suffix(".csv")).exists():  # the markdown of a merged table
+            rows = lambda f: sum(l.startswith("|") for l in f.read_text().splitlines())
+            assert rows(new) >= rows(old), p
+        elif p.name in ("provenance.json", "steps.json"):
+            assert set(json.loads(old.read_text())) <= set(json.loads(new.read_text())), p
+        elif p.name == "headline.json":
+            h0, h1 = json.loads(old.read_text()), json.loads(new.read_text())
+            assert {(r["scale"], r["method"]) for r in h0["scaling"]} <= {(r["scale"], r["method"]) for r in h1["scaling"]}
+            assert [r for r in h1["scaling"] if r["scale"] == "toy"] == [r for r in h0["scaling"] if r["scale"] == "toy"]
+            assert {(a, t) for a, d in h0["tau_alpha"].items() for t in d} <= \
+                   {(a, t) for a, d in h1["tau_alpha"].items() for t in d}
+            assert h1["tau_alpha"]["alpha=0.5"] == h0["tau_alpha"]["alpha=0.5"]  # not rerun: kept as committed
+            assert h1["tau_alpha"]["alpha=0"]["0"] != h0["tau_alpha"]["alpha=0"]["0"]  # rerun at 4 steps: replaced
+        elif p.name == "README.md" and len(p.parts) == 1:
+            sweeps = lambda f: {l for l in f.read_text().splitlines() if l.startswith("- `")}
+            assert sweeps(old) <= sweeps(new)
+        else:
+            assert p.suffix == ".png", f"{p} changed and is not a merged table, a plot or the README"
