@@ -367,6 +367,23 @@ def test_committed_rows_are_judged_again_without_their_runs(tmp_path):
     assert {f: (out / f).read_text() for f in before} == before
 
 
+def test_changed_from_marks_a_verdict_that_moved_and_only_that():
+    from diloco.report.claims import mark_changes
+
+    old = pd.DataFrame({"claim": list("abcde"), "ours": ["1", "2", "3", "4", "5"],
+                        "verdict": ["agrees", "agrees", "inconclusive", "disagrees", "agrees"],
+                        "changed_from": [None, "disagrees → agrees", None, "agrees → disagrees", None]})
+    new = pd.DataFrame({"claim": list("abcdef"), "ours": ["1", "2", "3", "4b", "5", "6"],
+                        "verdict": ["inconclusive", "agrees", "inconclusive (n<2)", "disagrees", "agrees", "agrees"]})
+    assert mark_changes(new, old).changed_from.tolist() == [
+        "agrees → inconclusive",  # moved
+        "disagrees → agrees",  # same verdict, same number: the last change stays marked (a rebuild says the same)
+        "",  # 'inconclusive (n<2)' is still inconclusive
+        "",  # same verdict, new number (new runs): nothing changed against the table it replaces
+        "", ""]  # unchanged; a new row
+    assert mark_changes(new, None).changed_from.tolist() == [""] * 6
+
+
 def test_readme_claims_block_is_regenerated_from_the_table(tmp_path):
     """`diloco tables --out DIR` rewrites the claims block of the README beside DIR (between its markers)
     from claims.csv, and nothing else in it; a README without the markers is left alone."""

@@ -344,7 +344,7 @@ def mark_changes(c: pd.DataFrame, old: pd.DataFrame | None) -> pd.DataFrame:
         o = prev.get(r.claim)
         if o is None:
             marks.append("")
-        elif o.get("verdict") != r.verdict:
+        elif str(o.get("verdict")).split(" (")[0] != r.verdict.split(" (")[0]:  # '(n<2)' is no verdict of its own
             marks.append(f"{o.get('verdict')} → {r.verdict}")
         elif o.get("ours") == r.ours and isinstance(o.get("changed_from"), str):
             marks.append(o["changed_from"])
