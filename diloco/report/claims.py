@@ -2,7 +2,7 @@
 written to results/claims.md.
 
 A row's interval is mean ± t·SE of its paired per-seed gaps, Student's t at 95 % (two-sided, df = n − 1;
-records.t_quantile says why t and not ±2·SE or a bootstrap). claims.csv keeps, besides the interval,
+records.py says, above CONFIDENCE, why t and not ±2·SE or a bootstrap). claims.csv keeps, besides the interval,
 what decides it (`n`, `ours_gap_pct` = the mean, `ours_sd_pct` = the per-seed sd, `ours_se_pct`,
 `ours_df`), so a row whose runs are not under the root is re-judged from the CSV alone when the rule
 changes (`rejudge`; rows written before these columns existed carried ±2·SE in `ours_unc_pct`, from
@@ -201,7 +201,7 @@ def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None
 
         gaps35 = [pg(t5[(s, "streaming_ovl_fp4_h30")], t5[(s, "data_parallel")]) for s in
                   ("35M", "100M", "200M", "300M", "500M", "1B")]
-        hadd("Streaming DiLoCo (ovl. FP4, H=30) ≈ DP at equal tokens", "Table 5", runs,
+        hadd(HEADLINE, "Table 5", runs,
             paired_stats(L("streaming_ovl_fp4_h30"), L("dp")), (-1.0, 1.0),
             f"gap to DP {min(gaps35):+.2f}…{max(gaps35):+.2f}% (35M…1B); 35M {gaps35[0]:+.2f}%",
             "band: within 1 % of DP")
