@@ -252,11 +252,14 @@ SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
 
 
 def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: int,
-                     extra: list[str] = ()) -> tuple[float, int]:
+                     extra: list[str] = (), committed: Path | None = None) -> tuple[float, int]:
     """(wall seconds, runs) left: each unfinished point's steps × seconds per step, measured from the
-    finished runs of the same sweep under root, else of the same scale (any sweep: specs of one scale
-    differ in eval and checkpoint cadence, so per step they can differ 3×), else SECONDS_PER_STEP;
-    over `workers`."""
+    finished runs of the same sweep under root, else of the same sweep in the `committed` run records
+    (results/runs.csv: a fresh clone's root is empty, and toy's claims runs take 0.35 s/step where its
+    quick runs take 0.95), else of the same scale under root (any sweep: specs of one scale differ in
+    eval and checkpoint cadence, so per step they can differ 3×), else SECONDS_PER_STEP; over `workers`."""
+    import pandas as pd
+
     from diloco.config import load_config
 
     by_sweep: dict[str, list[float]] = {}
@@ -270,6 +273,16 @@ def estimate_seconds(root: Path, loaded: list[tuple[str, str, dict]], workers: i
             continue
         by_scale.setdefault(c["scale"], []).append(per)
         by_sweep.setdefault(p.parent.parent.name, []).append(per)
+    try:
+        rec = pd.read_csv(committed, usecols=["sweep", "status", "steps", "wall_seconds"]) if committed else None
+    except (OSError, ValueError):
+        rec = None
+    if rec is not None:
+        rec = rec[(rec.status == "done") & (pd.to_numeric(rec.steps, errors="coerce") > 0)]
+        for sweep, g in rec.groupby("sweep"):
+            per = (pd.to_numeric(g.wall_seconds, errors="coerce") / pd.to_numeric(g.steps)).dropna().tolist()
+            if per and sweep not in by_sweep:
+                by_sweep[sweep] = per
     total, n = 0.0, 0
     for _, _, s in loaded:
         for pt in s["points"]:
@@ -390,7 +403,7 @@ def main(argv: list[str]) -> int:
                                and float(p["point"]["alpha"]) in alphas]
         n = sum(len(s["points"]) for *_, s in loaded)
         counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
-        est, left = estimate_seconds(root, loaded, args.workers, extra)
+        est, left = estimate_seconds(root, loaded, args.workers, extra, committed=out / "runs.csv")
         budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment; seeds "
                   + ", ".join(f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.full
                   else "a SHORT budget (200–240 steps, one seed): quick to run, its gaps are not findings; "

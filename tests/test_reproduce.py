@@ -38,6 +38,24 @@ def test_estimate_prefers_the_same_sweeps_runs_over_the_same_scales(tmp_path):
     assert abs(secs - 2 * (1.0 * 200 + 10.0)) < 1e-9
 
 
+def test_estimate_uses_the_committed_records_of_a_sweep_the_root_lacks(tmp_path):
+    """A fresh clone's root is empty: the sweep's committed run records (results/runs.csv) give its seconds
+    per step. By hand: 0.1, 0.2, 0.3 s/step → the median 0.2; 12 points × (0.2 × 200 + 10) = 600 s."""
+    s = sw.load_sweep("sweeps/tau_alpha.py:tiny")
+    rec = tmp_path / "runs.csv"
+    rec.write_text("sweep,point,status,steps,wall_seconds\n" + "".join(
+        f"{s['name']},p{i},done,200,{w}\n" for i, w in enumerate((20.0, 40.0, 60.0))) +
+        f"{s['name']},p9,failed,200,\nother_tiny,q,done,200,2000.0\n")
+    secs, left = reproduce.estimate_seconds(tmp_path / "none", [("tau_alpha", "", s)], workers=1, committed=rec)
+    assert left == 12 and abs(secs - 12 * (0.2 * 200 + 10.0)) < 1e-9
+    done = tmp_path / "root" / s["name"] / s["points"][0]["name"]  # the root's own runs come first
+    done.mkdir(parents=True)
+    (done / "config.json").write_text(json.dumps({"scale": "tiny", "steps": 200}))
+    (done / "summary.json").write_text(json.dumps({"wall_seconds": 100.0}))  # 0.5 s per step
+    secs, _ = reproduce.estimate_seconds(tmp_path / "root", [("tau_alpha", "", s)], workers=1, committed=rec)
+    assert abs(secs - 11 * (0.5 * 200 + 10.0)) < 1e-9
+
+
 def test_full_plan_is_the_claims_budget():
     from diloco.config import load_config
 
