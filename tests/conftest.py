@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from standin.fixtures import gcs, gcs_emulator, standin  # noqa: F401  (the Cloud TPU / GCS stand-in)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # Many tests compile the same tiny-model functions in fresh Trainers: share compilations through
 # JAX's persistent cache (also inherited by the subprocesses tests start).
