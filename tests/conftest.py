@@ -16,6 +16,43 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
+# Under CI (CI=true, as .ci/run sets it) a test that would skip because libtpu or ../shared is missing
+# FAILS instead: those skips would leave claims unchecked while the suite stays green. A skip counts as
+# one of them when its reason names libtpu or the shared folder. DILOCO_TEST_HIDE_LIBTPU=1 makes
+# `import libtpu` fail in this process, as an install without the `tpu` extra would (to check the rule).
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+MUST_RUN_IN_CI = ("libtpu", str(SHARED), "../shared")
+if os.environ.get("DILOCO_TEST_HIDE_LIBTPU") == "1":
+    sys.modules["libtpu"] = None  # import fails; importlib.util.find_spec("libtpu") is None
+_CI_SKIPS: list[tuple[str, str]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    if CI and rep.skipped and not hasattr(rep, "wasxfail"):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        if any(m in reason for m in MUST_RUN_IN_CI):
+            _CI_SKIPS.append((item.nodeid, reason))
+            rep.outcome = "failed"
+            rep.longrepr = f"{item.nodeid} would skip ({reason}): under CI=true that is a failure"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the `tpu` tier follows from the need itself
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any("libtpu" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.tpu)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _CI_SKIPS:
+        terminalreporter.section("tests that would have skipped under CI")
+        for nodeid, reason in _CI_SKIPS:
+            terminalreporter.write_line(f"ci: did not run: {nodeid} ({reason})")
+        terminalreporter.write_line(f"ci: {len(_CI_SKIPS)} test(s) skipped for a missing libtpu or ../shared; "
+                                    "CI=true counts them as failures")
+
 # After the summary, the interpreter's teardown of everything the session built (thousands of XLA
 # executables, TensorFlow's runtime) took a minute. When pytest is the program, leave right after
 # the last atexit handler registered after this one (JAX, orbax, tensorboardX) with pytest's status.

@@ -44,9 +44,11 @@ def decode(vocab: str, row: np.ndarray) -> str:
 
 
 def test_import_is_light():
-    code = "import sys, time; t = time.time(); import diloco.data; print(time.time() - t, 'tensorflow' in sys.modules or 'seqio' in sys.modules)"
-    secs, heavy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert heavy == "False" and float(secs) < 2.0
+    """Importing the data package loads neither TensorFlow nor seqio (the default corpus needs neither);
+    how long start-up takes is benchmarks/bench_startup.py's job, not a test's."""
+    code = "import sys; import diloco.data; print(sorted({'tensorflow', 'seqio'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_stdlib_batches_and_info():
@@ -230,7 +232,6 @@ def test_prefetch_changes_nothing_but_timing(pack):
 def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
     import gc
     import threading
-    import time
 
     def alive():
         return [t for t in threading.enumerate() if t.name.startswith("TokenBatches-stdlib")]
@@ -242,11 +243,10 @@ def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
     assert not alive()
     it = TokenBatches("stdlib", "byte", 64, 2, prefetch=2)
     next(it)
+    [thread] = alive()
     del it
     gc.collect()
-    deadline = time.time() + 5
-    while alive() and time.time() < deadline:
-        time.sleep(0.05)
+    thread.join(timeout=300)  # a hang guard, not a measurement: the thread ends on its own
     assert not alive()
 
 
