@@ -2,9 +2,11 @@
 11B tokens), Streaming DiLoCo with 3-block strided fragments, overlapped FP4, M=2, H=30.
 
   experiments/ablation.py:<scale>         500M (paper) | tiny toy toy-l (CPU twins)
-Sweeps (sweeps/ablate_*.py) vary one thing at a time with --config overrides: layers_per_fragment,
-pattern, tau × alpha, replica_tau, codec, H, freeze_non_syncing. The settings whose batch/steps
-depend on the axis have their own specs: ablate_replicas.py.
+The sweeps in sweeps/ vary one thing at a time from here (or from a spec built on it:
+experiments/ablate_*.py, fedpart.py) with --config overrides: fragments.py (layers_per_fragment,
+pattern), tau_alpha.py, hetero_tau.py (replica_tau), compression.py (codec), H.py, fedpart.py
+(freeze_non_syncing). The settings whose batch/steps depend on the axis have their own spec:
+experiments/ablate_replicas.py (sweeps/replicas.py).
 """
 from experiments import common
 
