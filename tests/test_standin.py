@@ -145,7 +145,8 @@ def test_a_killed_host_loses_every_process_and_a_repaired_one_boots_again(standi
     assert standin._pids(standin.root) == []
 
 
-@pytest.mark.parametrize("state", ["SUSPENDED", "FAILED", "PREEMPTED"])
+@pytest.mark.parametrize("state", ["SUSPENDED", pytest.param("FAILED", marks=pytest.mark.slow),
+                                   pytest.param("PREEMPTED", marks=pytest.mark.slow)])
 def test_a_state_that_loses_the_slices_kills_every_host(standin, tmp_path, state):
     two_slices(standin, tmp_path, "exec sleep 600\n")
     standin.wait_for(lambda: len(standin.processes("qr")) == 4, what="every host's startup script")
@@ -269,6 +270,21 @@ def test_jax_compilation_cache_on_gs_from_a_host_environment(standin, tmp_path):
     r = standin.gcloud(*QR, "ssh", "one", f"--zone={ZONE}", f"--command={sys.executable} -c \"{code}\"", timeout=300)
     assert r.returncode == 0 and "[1. 3. 5.]" in r.stdout, r.stdout + r.stderr
     assert any(n.startswith("jax-cache/") for n in standin.bucket.objects())
+
+
+@pytest.mark.slow
+def test_every_host_reads_and_writes_the_bucket_at_once(standin, tmp_path):
+    """Four hosts, each 40 writes and reads through epath (gcsfs) at the same time: the emulator serves them all."""
+    two_slices(standin, tmp_path)
+    code = ("from etils import epath; import os; i = os.environ['DILOCO_PROCESS_ID']; "
+            "[epath.Path(f'gs://%s/c/{i}/{k}').write_text(f'{i}-{k}') for k in range(40)]; "
+            "print(sum(epath.Path(f'gs://%s/c/{i}/{k}').read_text() == f'{i}-{k}' for k in range(40)))"
+            % (standin.bucket.name, standin.bucket.name))
+    r = standin.gcloud(*QR, "ssh", "qr", f"--zone={ZONE}", "--node=all", "--worker=all",
+                       f"--command={barrier(tmp_path / 'b', 4)}; {sys.executable} -c \"{code}\"", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(line.split(": ")[1] for line in r.stdout.splitlines()) == ["40"] * 4
+    assert len(standin.bucket.objects("c/")) == 160
 
 
 def test_find_secrets_reports_environment_secrets_and_private_keys(tmp_path):

@@ -259,7 +259,8 @@ class Cloud:
                 if r is None or r["state"] != before:
                     return
                 self._set_state(r, after)
-        self._boot_all(name)
+                if after == "ACTIVE":  # ACTIVE means every VM is up (ssh reaches them)
+                    self._boot(r, self._hosts(r))
 
     def describe(self, name: str, zone: str | None = None) -> dict:
         """The resource as the Cloud TPU API (v2) shows it: name, createTime, tpu.nodeSpec, tier, state."""
@@ -359,30 +360,27 @@ class Cloud:
 
     def boot(self, name: str, slice: int, worker: int) -> None:
         """The host comes up: state UP, and its startup script runs detached, output to ~/startup.log."""
-        h = self.host(name, slice, worker)
-        script = self._rdir(name) / "metadata" / "startup-script"
-        env = self.host_env(name, slice, worker)
         with self.lock():  # a host marked down by another process is never left running
-            r = self._get(name)
-            if r["state"] != "ACTIVE":
-                raise GcloudError(f"FAILED_PRECONDITION: queued resource {name!r} is {r['state']}, not ACTIVE")
+            self._boot(self._get(name), [self.host(name, slice, worker)])
+
+    def _boot(self, r: dict, hosts: list[Host]) -> None:
+        """Under the lock: the hosts are UP when the resource is ACTIVE, and their startup scripts start."""
+        if r["state"] != "ACTIVE":
+            raise GcloudError(f"FAILED_PRECONDITION: queued resource {r['name']!r} is {r['state']}, not ACTIVE")
+        script = self._rdir(r["name"]) / "metadata" / "startup-script"
+        for h in hosts:
             info = json.loads((h.dir / "host.json").read_text())
             info.update(state="UP", boots=info["boots"] + 1)
             _write_json(h.dir / "host.json", info)
-            if script.exists():
-                with open(h.home / "startup.log", "ab") as log:
-                    log.write(f"--- startup-script, boot {info['boots']}, {_now()}\n".encode())
-                    log.flush()
-                    script.chmod(0o755)
-                    argv = [str(script)] if script.read_bytes().startswith(b"#!") else ["/bin/bash", str(script)]
-                    self._spawn(h, argv, env, stdout=log, stderr=subprocess.STDOUT)
-
-    def _boot_all(self, name: str) -> None:
-        try:
-            for h in self.hosts(name):
-                self.boot(name, h.slice, h.worker)
-        except GcloudError:  # suspended, failed or deleted meanwhile
-            pass
+        for h in hosts if script.exists() else []:
+            with open(h.home / "startup.log", "ab") as log:
+                log.write(f"--- startup-script, boot {json.loads((h.dir / 'host.json').read_text())['boots']}, "
+                          f"{_now()}\n".encode())
+                log.flush()
+                script.chmod(0o755)
+                argv = [str(script)] if script.read_bytes().startswith(b"#!") else ["/bin/bash", str(script)]
+                self._spawn(h, argv, self.host_env(r["name"], h.slice, h.worker), stdout=log,
+                            stderr=subprocess.STDOUT)
 
     def kill_host(self, name: str, slice: int, worker: int) -> None:
         """The host is lost (maintenance, hardware): SIGKILL all its processes; ssh to it fails until repaired."""
@@ -407,12 +405,10 @@ class Cloud:
             if state in DOWN_STATES:
                 for h in self._hosts(r):
                     _write_json(h.dir / "host.json", {**json.loads((h.dir / "host.json").read_text()), "state": "DOWN"})
+            elif state == "ACTIVE":
+                self._boot(r, [h for h in self._hosts(r) if self.host_state(name, h.slice, h.worker) != "UP"])
         if state in DOWN_STATES:
             self._kill(self._rdir(name))
-        elif state == "ACTIVE":
-            for h in self.hosts(name):
-                if self.host_state(name, h.slice, h.worker) != "UP":
-                    self.boot(name, h.slice, h.worker)
 
     # ------------------------------------------------------------------ processes
     def _pids(self, under: Path) -> list[tuple[int, str]]:

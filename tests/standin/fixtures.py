@@ -124,11 +124,17 @@ def gcs(gcs_emulator, request, monkeypatch) -> Bucket:
 
 
 def _forget_filesystems() -> None:
-    """gcsfs caches file systems with the endpoint they were made with; epath caches EPATH_USE_TF."""
-    if "gcsfs" in sys.modules:
-        sys.modules["gcsfs"].GCSFileSystem.clear_instance_cache()
+    """File systems made before this test (another endpoint, or a test's fake gs://) are not reused:
+    gs:// is gcsfs again, and gcsfs's instances and epath's cached file system and EPATH_USE_TF go."""
+    import fsspec
+    import gcsfs
+
+    for name in ("gs", "gcs"):  # the class itself: a class path would not replace a registered class
+        fsspec.register_implementation(name, gcsfs.GCSFileSystem, clobber=True)
+    gcsfs.GCSFileSystem.clear_instance_cache()
     if "etils.epath.gpath" in sys.modules:
         sys.modules["etils.epath.gpath"]._is_tf_installed.cache_clear()
+        sys.modules["etils.epath.backend"].fsspec_backend._get_filesystem.cache_clear()
 
 
 @pytest.fixture
