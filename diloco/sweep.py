@@ -408,12 +408,35 @@ def format_table(results: list[dict]) -> str:
 
 
 # -- Cloud TPU ---------------------------------------------------------------------------------------
-def tpu_script(sweep: dict, root: str, tpu: str, zone: str, accelerator: str, slices: int = 1, project: str = "",
-               extra: list[str] = (), **kw) -> tuple[str, str]:
-    """(launch script, worker script) for Cloud TPU; diloco/launch_tpu.py says what they do."""
-    from diloco import launch_tpu
+def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
+    """`--launch tpu`: every check before anything is created (diloco/tpu/preflight.py), then the launch
+    bundle in a local folder (diloco/tpu/bundle.py); `launch_tpu.sh up` in it uploads and creates."""
+    from diloco.tpu import bundle, preflight
 
-    return launch_tpu.tpu_script(sweep, root, tpu, zone, accelerator, slices, project, extra, **kw)
+    if not (args.tpu and args.zone and args.accelerator):
+        raise ConfigError("--tpu", "--launch tpu needs --tpu <name>, --zone <zone> and --accelerator <type, e.g. v5p-16>")
+    if args.max_attempts < 1:
+        raise ConfigError("--max-attempts", f"{args.max_attempts} must be ≥ 1")
+    preflight.check_names(args.tpu, args.root, sweep["name"])
+    out = Path(args.out or REPO_ROOT / "build" / "tpu" / sweep["name"]).resolve()
+    sweep = {**sweep, "points": [p for p in sweep["points"] if args.only in p["name"]]}
+    tree = set(bundle.tree_files(exclude=out))
+    checked = preflight.check(sweep, args.root, args.accelerator, args.slices, extra, tree, args.check_fit,
+                              remote=not args.dry_run)
+    for w in dict.fromkeys(checked.warnings):
+        print(f"diloco sweep: warning: {w}", file=sys.stderr)
+    plan = bundle.write(out, sweep, checked, args.root, args.tpu, args.zone, args.project, extra, args.capacity,
+                        args.valid_until, args.service_account, args.network, args.subnetwork, args.internal_ips,
+                        args.max_attempts, args.teardown, args.runtime, generated_by=shlex.join(["diloco", "sweep", *argv]))
+    script = out / "launch_tpu.sh"
+    if args.dry_run:
+        print(script.read_text(), end="")
+        print(f"# dry run: nothing created, the bucket not touched (its checks skipped); the bundle is in {out}")
+        return 0
+    print(f"{len(plan['points'])} point(s) checked for {checked.slices}× {checked.slice.name}; bundle in {out}\n"
+          f"  bash {script} up       # upload it to {plan['base']}/_launch, create the queued resource, wait for ACTIVE\n"
+          f"  bash {script} status   # then: logs POINT, stop, start, down")
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -435,14 +458,32 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--points-file", help=argparse.SUPPRESS)  # JSON list of point names (pool workers)
     ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--launch", choices=("local", "tpu"), default="local")
-    ap.add_argument("--tpu", help="TPU VM (pod slice) name, for --launch tpu")
-    ap.add_argument("--zone", help="its zone, for --launch tpu")
-    ap.add_argument("--project", default="", help="GCP project (default: gcloud's)")
-    ap.add_argument("--accelerator", help="TPU type of one slice, e.g. v5p-64 or v5litepod-16, for --launch tpu")
-    ap.add_argument("--slices", type=int, default=1, help="slices (>1: multislice through a queued resource)")
-    ap.add_argument("--repo-url", default="", help="the clone every worker installs (default: this checkout's origin)")
-    ap.add_argument("--commit", default="", help="the commit they install (default: this checkout's HEAD)")
-    ap.add_argument("--runtime", default="", help="TPU software version (default: one for the accelerator)")
+    tpu = ap.add_argument_group("--launch tpu (Cloud TPU queued resource; docs/distributed.md)")
+    tpu.add_argument("--tpu", help="queued resource name (also the node name, or the node prefix with --slices > 1)")
+    tpu.add_argument("--zone", help="its zone, e.g. us-east5-a")
+    tpu.add_argument("--project", default="", help="GCP project (default: gcloud's)")
+    tpu.add_argument("--accelerator", help="TPU type of one slice, e.g. v5p-16, v5litepod-16, v6e-8")
+    tpu.add_argument("--slices", type=int, default=1, help="slices (> 1: multislice, the replicas across them)")
+    tpu.add_argument("--runtime", default="", help="TPU software version (default: the generation's)")
+    cap = tpu.add_mutually_exclusive_group()
+    cap.add_argument("--spot", dest="capacity", action="store_const", const="spot", default="",
+                     help="Spot capacity (cheaper, preemptible: the agents resume the point after a repair)")
+    cap.add_argument("--reserved", dest="capacity", action="store_const", const="reserved",
+                     help="your reservation's capacity")
+    cap.add_argument("--best-effort", dest="capacity", action="store_const", const="best-effort",
+                     help="best-effort tier (gcloud alpha)")
+    tpu.add_argument("--valid-until", default="", metavar="DURATION",
+                     help="withdraw the request if not provisioned within this, e.g. 6h (--valid-until-duration)")
+    tpu.add_argument("--service-account", default="", help="the VMs' service account (default: Compute Engine's)")
+    tpu.add_argument("--network", default="", help="VPC network (default: default)")
+    tpu.add_argument("--subnetwork", default="", help="subnetwork")
+    tpu.add_argument("--internal-ips", action="store_true",
+                     help="no external IPs (the subnetwork then needs Cloud NAT and Private Google Access; ssh via IAP)")
+    tpu.add_argument("--max-attempts", type=int, default=3, help="attempts per point before it counts as failed")
+    tpu.add_argument("--teardown", action="store_true", help="delete the queued resource when every point is done")
+    tpu.add_argument("--check-fit", default="table", metavar="{table,compile,off}",
+                     help="each point's fit in HBM: from results/pod/memory.csv (default), by compiling, or not")
+    tpu.add_argument("--out", default="", help="local folder for the launch bundle (default: build/tpu/<sweep>)")
     args = ap.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, args.seeds)
@@ -453,24 +494,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("--set", f"{s!r} must look like KEY=VALUE, e.g. --set steps=50")
             extra.append(f"--config.{k.removeprefix('--config.')}={v}")
         if args.launch == "tpu":
-            if not (args.tpu and args.zone and args.accelerator):
-                raise ConfigError("--tpu", "--launch tpu needs --tpu <name>, --zone <zone> and --accelerator <type, e.g. v5p-64>")
-            by = shlex.join(["diloco", "sweep", *argv])
-            sweep = {**sweep, "points": [p for p in sweep["points"] if args.only in p["name"]]}
-            text, worker = tpu_script(sweep, args.root, args.tpu, args.zone, args.accelerator, args.slices,
-                                      args.project, extra, repo_url=args.repo_url, commit=args.commit,
-                                      runtime=args.runtime, generated_by=by)
-            if args.dry_run:
-                print(text + "\n# ---- worker.sh (every host runs it) ----\n" + worker, end="")
-                return 0
-            from diloco.rundir import atomic_write_text, require
-
-            stage = require(args.root, "--root") / sweep["name"] / "_launch"
-            atomic_write_text(stage / "launch_tpu.sh", text)
-            atomic_write_text(stage / "worker.sh", worker)
-            print(f"wrote {stage}/launch_tpu.sh and worker.sh; then:\n  gcloud storage cp {stage}/launch_tpu.sh . && "
-                  "bash launch_tpu.sh up && bash launch_tpu.sh setup && bash launch_tpu.sh run")
-            return 0
+            return launch_tpu(sweep, args, extra, argv)
         if args.dry_run:
             for pt in sweep["points"]:
                 if args.only in pt["name"]:

@@ -1,0 +1,436 @@
+"""`diloco sweep … --launch tpu` on the laptop side: accelerator names, every check before billing
+(one line, exit 2, nothing created), the launch bundle (exact tree, plan.json, scripts), and every
+gcloud command line the scripts can run, parsed by the real gcloud CLI where it is installed."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from diloco import sweep as sw
+from diloco.config import REPO_ROOT
+from diloco.errors import ConfigError
+from diloco.tpu import accelerators, bundle, preflight
+
+
+# -- accelerator types -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,chips,hosts,topology", [
+    ("v4-8", 4, 1, "v4:2x2x1"), ("v4-32", 16, 4, "v4:2x2x4"), ("v4-384", 192, 48, "v4:4x4x12"),
+    ("v5p-8", 4, 1, "v5p:2x2x1"), ("v5p-16", 8, 2, "v5p:2x2x2"), ("v5p-64", 32, 8, "v5p:2x4x4"),
+    ("v5p-384", 192, 48, "v5p:4x4x12"), ("v5p-12288", 6144, 1536, "v5p:16x16x24"),
+    ("v5litepod-1", 1, 1, "v5e:1x1"), ("v5litepod-8", 8, 1, "v5e:2x4"), ("v5litepod-16", 16, 4, "v5e:4x4"),
+    ("v5litepod-256", 256, 64, "v5e:16x16"), ("v6e-4", 4, 1, "v6e:2x2"), ("v6e-32", 32, 8, "v6e:4x8"),
+])
+def test_accelerator_types_give_chips_and_hosts(name, chips, hosts, topology):
+    s = accelerators.parse(name)
+    assert (s.chips, s.hosts, s.topology) == (chips, hosts, topology)
+
+
+@pytest.mark.parametrize("name,neighbours", [
+    ("v5p-48", "v5p-16, v5p-32, v5p-64, v5p-128"), ("v5litepod-24", "v5litepod-8, v5litepod-16, v5litepod-32"),
+    ("v4-12", "v4-8, v4-16, v4-32"), ("v6e-2", "v6e-1, v6e-4, v6e-8"), ("v5p-12800", "v5p-12288"),
+])
+def test_invalid_accelerator_is_refused_with_valid_neighbours(name, neighbours):
+    with pytest.raises(ConfigError) as e:
+        accelerators.parse(name)
+    assert e.value.field == "--accelerator" and neighbours in str(e.value), str(e.value)
+
+
+def test_other_names_are_refused_and_v5e_is_named_as_cloud_tpu_names_it():
+    for bad in ("v5e-16", "tpu-8", "v5p", ""):
+        with pytest.raises(ConfigError, match="not a TPU type"):
+            accelerators.parse(bad)
+    with pytest.raises(ConfigError, match="v5litepod-16"):
+        accelerators.parse("v5e-16")
+
+
+def test_every_3d_slice_is_a_torus_of_its_chips_with_4_chips_per_host():
+    for s in accelerators.TABLE.values():
+        dims = [int(x) for x in s.topology.split(":")[1].split("x")]
+        assert int(s.name.split("-")[1]) == s.chips * accelerators.CORES_PER_CHIP[s.generation]
+        assert s.chips == dims[0] * dims[1] * (dims[2] if len(dims) == 3 else 1)
+        if len(dims) == 3:  # A ≤ B ≤ C (libtpu writes the one-host slice 2x2x1), all ≤ 4 or all multiples of 4
+            assert dims == sorted(dims) or dims == [2, 2, 1], s
+            assert all(d <= 4 for d in dims) or all(d % 4 == 0 for d in dims), s
+        single_host = s.chips <= 8 and s.generation in ("v5litepod", "v6e") or s.chips == 4
+        assert (s.hosts, s.chips_per_host) == ((1, s.chips) if single_host else (s.chips // 4, 4)), s
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _write_sweep(tmp_path, experiment: str, points: str = "[{}]", name: str = "t") -> Path:
+    p = tmp_path / f"{name}.py"
+    p.write_text(textwrap.dedent(f"""
+        def get_sweep(arg=""):
+            return {{"name": "{name}", "experiment": "{experiment}", "points": {points}}}
+    """))
+    return p
+
+
+RECORDER = """#!/usr/bin/env python3
+# a recording stand-in for gcloud: appends its argv to $GCLOUD_LOG; queued-resource state in $GCLOUD_STATE
+import json, os, sys
+a = sys.argv[1:]
+with open(os.environ["GCLOUD_LOG"], "a") as f:
+    f.write(json.dumps(a) + "\\n")
+state = os.environ["GCLOUD_STATE"]
+cur = open(state).read().strip() if os.path.exists(state) else ""
+if "describe" in a:
+    if not cur:
+        sys.exit("ERROR: NOT_FOUND")
+    print(cur)
+elif "create" in a:
+    open(state, "w").write(os.environ.get("GCLOUD_AFTER_CREATE", "ACTIVE"))
+elif "delete" in a and "queued-resources" in a:
+    open(state, "w").write("")
+elif a[:2] == ["storage", "ls"]:
+    print(os.environ.get("GCLOUD_LS", ""), end="")
+"""
+
+
+@pytest.fixture
+def recorder(tmp_path, monkeypatch):
+    """A gcloud on PATH that only records; the log path (absent while nothing was called)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "gcloud").write_text(RECORDER)
+    (bindir / "gcloud").chmod(0o755)
+    log = tmp_path / "gcloud.log"
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("GCLOUD_LOG", str(log))
+    monkeypatch.setenv("GCLOUD_STATE", str(tmp_path / "qr-state"))
+    return log
+
+
+TPU = ["--launch", "tpu", "--tpu", "pod-1", "--zone", "us-east5-a"]
+
+
+def _refused(capsys, tmp_path, recorder, argv) -> str:
+    out = tmp_path / "bundle"
+    assert sw.main([*argv, *TPU, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert not recorder.exists(), "gcloud was called"
+    assert not out.exists(), "a bundle was written"
+    return err
+
+
+# -- every bad input before billing: one line, exit 2, nothing created ------------------------------
+def test_invalid_accelerator_is_refused_before_anything(tmp_path, capsys, recorder):
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-48"])
+    assert "--accelerator: 'v5p-48'" in err and "v5p-32, v5p-64" in err
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5litepod-24"])
+    assert "v5litepod-16, v5litepod-32" in err
+
+
+def test_hosts_that_do_not_divide_the_replicas_are_refused(tmp_path, capsys, recorder):
+    # the issue's example: a v5p-384 slice is 48 hosts, one process each; 48 and 32 divide neither way
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,diloco_h30", '[{"replicas": 32, "batch_size": 96}]')
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-384"])
+    assert err.startswith("diloco sweep: bad input: replicas: point replicas=32,batch_size=96: 1× v5p-384 is 48 hosts")
+    assert "48 processes do not divide replicas=32" in err
+
+
+def test_a_c4_point_without_a_dataset_on_gs_is_refused(tmp_path, capsys, recorder):
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8"])
+    assert "data_dir: point default:" in err and "~/tensorflow_datasets" in err and "--set data_dir=gs://" in err
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8",
+                                                "--set", f"data_dir={tmp_path}"])
+    assert "data_dir: point default:" in err and "this machine's disk" in err
+
+
+def test_a_missing_vocabulary_is_refused(tmp_path, capsys, recorder):
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8",
+                                                "--set", f"vocab=sentencepiece:{tmp_path}/none.model"])
+    assert f"vocab: point default: sentencepiece model '{tmp_path}/none.model' not found" in err
+
+
+def test_a_local_root_is_refused(tmp_path, capsys, recorder):
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", str(tmp_path / "runs"), "--accelerator", "v5p-8"])
+    assert "--root" in err and "use a gs://bucket/… root" in err
+
+
+def test_a_batch_the_chips_cannot_split_is_refused_with_the_batch_that_can(tmp_path, capsys, recorder):
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp", '[{"batch_size": 6}]')
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-16"])
+    assert "batch_size: point batch_size=6:" in err and "--set batch_size=8" in err
+
+
+def test_a_spec_outside_the_shipped_tree_is_refused(tmp_path, capsys, recorder):
+    (tmp_path / "exp.py").write_text((REPO_ROOT / "experiments" / "base.py").read_text())
+    f = _write_sweep(tmp_path, f"{tmp_path}/exp.py")
+    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8"])
+    assert "config: point default: spec" in err and "not in the tree shipped to the workers" in err
+
+
+def _paper_point(tmp_path, scale: str, method: str) -> list[str]:
+    vocab = tmp_path / "spm.model"  # only its presence is checked before staging
+    vocab.write_bytes(b"not read")
+    f = _write_sweep(tmp_path, f"experiments/c4_scaling.py:{scale},{method}")
+    return [str(f), "--root", "gs://bkt/r", "--set", "data_dir=gs://bkt/tfds", "--set", f"vocab=sentencepiece:{vocab}"]
+
+
+def test_a_point_that_does_not_fit_hbm_is_refused_with_the_smallest_slice_that_fits(tmp_path, capsys, recorder):
+    # results/pod/memory.csv: 1B DiLoCo (2 replicas) fits v5e:4x8 (32 chips: 16 per replica) at 256×2048
+    # tokens per step; on v5litepod-16 each replica has 8 chips and each chip twice the tokens.
+    argv = _paper_point(tmp_path, "1B", "diloco_h30")
+    err = _refused(capsys, tmp_path, recorder, [*argv, "--accelerator", "v5litepod-16"])
+    assert err.startswith("diloco sweep: bad input: --accelerator: point default does not fit: 8 chips per replica")
+    assert "gives 16" in err and "use --accelerator v5litepod-32" in err
+    # the suggestion passes every local check (a dry run touches neither gcloud nor the bucket)
+    assert sw.main([*argv, "--accelerator", "v5litepod-32", *TPU, "--out", str(tmp_path / "b"), "--dry-run"]) == 0
+    assert not recorder.exists()
+
+
+@pytest.mark.parametrize("scale,method,acc,slices,verdict", [
+    ("1B", "diloco_h30", "v5litepod-32", 1, "fits"), ("1B", "diloco_h30", "v5litepod-16", 2, "fits"),
+    ("1B", "diloco_h30", "v5litepod-16", 1, "too big"), ("1B", "dp", "v5p-8", 1, "fits"),
+    ("4B", "dp", "v5p-16", 1, "too big"), ("4B", "dp", "v5p-32", 1, "fits"), ("1B", "diloco_h30", "v6e-8", 1, "unknown"),
+    ("tiny", "dp", "v5p-8", 1, "unknown"),
+])
+def test_fit_verdicts_from_the_memory_table(scale, method, acc, slices, verdict):
+    from diloco.config import load_config
+
+    cfg = load_config(f"experiments/c4_scaling.py:{scale},{method}", check_data=False)
+    got, why = preflight.fit_from_table(cfg, accelerators.parse(acc), slices, preflight.memory_table())
+    assert got == verdict, why
+
+
+# -- the bundle --------------------------------------------------------------------------------------
+def _git(repo, *a):
+    subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def test_the_tree_is_the_working_tree_as_on_disk_and_its_sha_is_stable(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / ".gitignore").write_text("ignored.txt\nbuild/\n")
+    (repo / "pkg" / "a.py").write_text("A = 1\n")
+    (repo / "run.sh").write_text("#!/bin/sh\n")
+    (repo / "run.sh").chmod(0o755)
+    (repo / "gone.py").write_text("x\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "c")
+    (repo / "pkg" / "a.py").write_text("A = 2  # dirty\n")  # modified, not committed
+    (repo / "new.py").write_text("untracked, not ignored\n")
+    (repo / "ignored.txt").write_text("ignored\n")
+    (repo / "build").mkdir()
+    (repo / "build" / "x").write_text("ignored dir\n")
+    (repo / "gone.py").unlink()  # tracked, deleted on disk
+    (repo / "out").mkdir()
+    (repo / "out" / "bundle.txt").write_text("the bundle folder itself\n")
+    files = bundle.tree_files(repo, exclude=repo / "out")
+    assert files == [".gitignore", "new.py", "pkg/a.py", "run.sh"]
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    d1.mkdir(), d2.mkdir()
+    t1, sha1 = bundle.write_tree(files, d1, repo)
+    os.utime(repo / "pkg" / "a.py", (1, 1))  # times and owners are not content
+    t2, sha2 = bundle.write_tree(files, d2, repo)
+    assert sha1 == sha2 and t1.name == t2.name == f"tree-{sha1[:12]}.tar.gz" and t1.read_bytes() == t2.read_bytes()
+    assert bundle.sha256_file(t1) == sha1
+    with tarfile.open(t1) as tar:
+        assert tar.getnames() == files
+        assert tar.extractfile("pkg/a.py").read() == b"A = 2  # dirty\n"
+        assert tar.getmember("run.sh").mode == 0o755 and tar.getmember("new.py").mode == 0o644
+    (repo / "new.py").write_text("changed\n")
+    assert bundle.write_tree(files, d2, repo)[1] != sha1
+
+
+def test_not_a_git_checkout_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="not a git checkout"):
+        bundle.tree_files(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def dry_bundle(tmp_path_factory):
+    """A dry run of a two-point multislice sweep with every capacity/identity flag."""
+    tmp = tmp_path_factory.mktemp("dry")
+    f = _write_sweep(tmp, "experiments/c4_scaling.py:tiny,diloco_h30", '[{"tau": 0}, {"H": 10}]', name="two")
+    out = tmp / "bundle"
+    argv = [str(f), "--root", "gs://bkt/runs", *TPU, "--accelerator", "v5p-16", "--slices", "2", "--project", "proj",
+            "--spot", "--valid-until", "6h", "--service-account", "sa@proj.iam.gserviceaccount.com", "--network",
+            "net", "--subnetwork", "sub", "--internal-ips", "--max-attempts", "4", "--teardown", "--out", str(out),
+            "--set", "steps=8", "--dry-run"]
+    r = subprocess.run([sys.executable, "-m", "diloco.cli", "sweep", *argv], capture_output=True, text=True,
+                       cwd=tmp, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return out, r.stdout, argv
+
+
+def test_plan_json_is_the_contract(dry_bundle):
+    out, stdout, _ = dry_bundle
+    plan = json.loads((out / "plan.json").read_text())
+    tar = next(out.glob("tree-*.tar.gz"))
+    base = "gs://bkt/runs/two"
+    assert {k: plan[k] for k in ("version", "sweep", "base", "qr", "zone", "project", "accelerator", "slices",
+                                 "hosts_per_slice", "chips_per_host", "max_attempts", "teardown")} == {
+        "version": 1, "sweep": "two", "base": base, "qr": "pod-1", "zone": "us-east5-a", "project": "proj",
+        "accelerator": "v5p-16", "slices": 2, "hosts_per_slice": 2, "chips_per_host": 4, "max_attempts": 4,
+        "teardown": True}
+    assert plan["tree"] == {"url": f"{base}/_launch/{tar.name}", "sha256": bundle.sha256_file(tar)}
+    assert plan["lock_sha256"] == bundle.sha256_file(REPO_ROOT / "requirements.lock")
+    assert (out / "requirements.lock").read_bytes() == (REPO_ROOT / "requirements.lock").read_bytes()
+    assert plan["points"] == [
+        {"name": "tau=0", "workdir": f"{base}/tau=0",
+         "argv": ["train", "--config", "experiments/c4_scaling.py:tiny,diloco_h30", "--workdir", f"{base}/tau=0",
+                  "--no_progress", "--config.tau=0", "--config.steps=8"]},
+        {"name": "H=10", "workdir": f"{base}/H=10",
+         "argv": ["train", "--config", "experiments/c4_scaling.py:tiny,diloco_h30", "--workdir", f"{base}/H=10",
+                  "--no_progress", "--config.H=10", "--config.steps=8"]}]
+    assert plan["env"]["JAX_COMPILATION_CACHE_DIR"] == f"{base}/_launch/jax-cache"
+    assert plan["lost_after_s"] > 0 and plan["stop_grace_s"] > 0
+    assert "# dry run: nothing created" in stdout
+
+
+def test_the_shipped_tree_is_this_checkout_as_on_disk(dry_bundle):
+    out, _, _ = dry_bundle
+    with tarfile.open(next(out.glob("tree-*.tar.gz"))) as tar:
+        names = tar.getnames()
+        assert names == bundle.tree_files(exclude=out)
+        assert "diloco/tpu/agent.py" in names or (REPO_ROOT / "diloco/tpu/agent.py").exists() is False
+        assert tar.extractfile("diloco/tpu/bundle.py").read() == (REPO_ROOT / "diloco/tpu/bundle.py").read_bytes()
+        assert not [n for n in names if n.startswith(("build/", "runs/")) or "__pycache__" in n]
+
+
+def test_scripts_carry_every_flag_and_no_secret(dry_bundle):
+    out, _, _ = dry_bundle
+    launch, startup = (out / "launch_tpu.sh").read_text(), (out / "startup.sh").read_text()
+    assert "WHERE=(--zone=us-east5-a --project=proj)" in launch
+    assert "NODES=(--node-count=2 --node-prefix=pod-1)" in launch and "TRACK=()" in launch
+    assert ("CREATE_FLAGS=(--spot --valid-until-duration=6h --service-account=sa@proj.iam.gserviceaccount.com "
+            "--network=net --subnetwork=sub --internal-ips)") in launch
+    assert "SSH_FLAGS=(--tunnel-through-iap)" in launch
+    plan = json.loads((out / "plan.json").read_text())
+    assert f"TREE_SHA256={plan['tree']['sha256']}" in startup and "LAUNCH=gs://bkt/runs/two/_launch" in startup
+    for text in (launch, startup, (out / "plan.json").read_text()):
+        for k, v in os.environ.items():
+            if any(w in k.upper() for w in ("TOKEN", "SECRET", "KEY", "PASSWORD", "CREDENTIAL")) and len(v) >= 8:
+                assert v not in text, k
+        assert "BEGIN PRIVATE KEY" not in text and "access_token" not in text
+
+
+@pytest.mark.parametrize("name", ["launch_tpu.sh", "startup.sh"])
+def test_scripts_pass_bash_n_and_shellcheck(dry_bundle, name):
+    path = dry_bundle[0] / name
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    r = subprocess.run(["shellcheck", "-x", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_best_effort_uses_gcloud_alpha_and_one_slice_a_node_id(tmp_path):
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
+    out = tmp_path / "b"
+    assert sw.main([str(f), "--root", "gs://bkt/r", *TPU, "--accelerator", "v5litepod-4", "--best-effort",
+                    "--out", str(out), "--dry-run"]) == 0
+    text = (out / "launch_tpu.sh").read_text()
+    assert "TRACK=(alpha)" in text and "CREATE_FLAGS=(--best-effort)" in text and "NODES=(--node-id=pod-1)" in text
+    assert "RUNTIME=v2-alpha-tpuv5-lite" in text
+
+
+def test_the_tpu_extra_pins_the_pair_the_lock_pins():
+    import tomllib
+
+    extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tpu"]
+    lock = dict(line.split("==") for line in (REPO_ROOT / "requirements.lock").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    pins = dict(p.split("==") for p in extra if "==" in p)
+    assert set(pins) >= {"jax", "jaxlib", "libtpu"}
+    assert {k: lock[k] for k in pins} == pins
+
+
+# -- every gcloud line the launch script can run, parsed by the real gcloud -------------------------
+def _run_script(script: Path, tmp_path, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "POLL_S": "0", **(env or {})})
+
+
+def test_up_creates_waits_and_recreates_a_suspended_resource(dry_bundle, tmp_path, recorder):
+    script = dry_bundle[0] / "launch_tpu.sh"
+    r = _run_script(script, tmp_path, "up", env={"GCLOUD_AFTER_CREATE": "ACTIVE"})
+    assert r.returncode == 0 and "pod-1 is ACTIVE" in r.stdout, r.stderr
+    calls = [json.loads(line) for line in recorder.read_text().splitlines()]
+    assert calls[0][:2] == ["storage", "cp"] and calls[0][-1] == "gs://bkt/runs/two/_launch/"
+    assert sorted(Path(p).name for p in calls[0][2:-1]) == sorted(p.name for p in dry_bundle[0].iterdir())
+    assert calls[1] == ["storage", "rm", "gs://bkt/runs/two/_launch/control/stop"]
+    create = next(c for c in calls if "create" in c)
+    assert create == ["compute", "tpus", "queued-resources", "create", "pod-1", "--zone=us-east5-a", "--project=proj",
+                      "--accelerator-type=v5p-16", "--runtime-version=v2-alpha-tpuv5", "--node-count=2",
+                      "--node-prefix=pod-1", f"--metadata-from-file=startup-script={dry_bundle[0]}/startup.sh", "--spot",
+                      "--valid-until-duration=6h", "--service-account=sa@proj.iam.gserviceaccount.com",
+                      "--network=net", "--subnetwork=sub", "--internal-ips"]
+    (tmp_path / "qr-state").write_text("SUSPENDED")
+    recorder.unlink()
+    r = _run_script(script, tmp_path, "up")
+    assert r.returncode == 0 and "pod-1 is SUSPENDED: deleting it" in r.stdout
+    verbs = [c[3] for c in map(json.loads, recorder.read_text().splitlines()) if c[:3] == ["compute", "tpus", "queued-resources"]]
+    assert verbs == ["describe", "delete", "describe", "create", "describe"]
+
+
+@pytest.mark.parametrize("after,rc,says", [("FAILED", 1, "pod-1 is FAILED"), ("SUSPENDING", 1, "pod-1 is SUSPENDING"),
+                                           ("WAITING_FOR_RESOURCES", 1, "still WAITING_FOR_RESOURCES after 0s")])
+def test_up_reports_failure_and_gives_up_waiting_after_its_bound(dry_bundle, tmp_path, recorder, after, rc, says):
+    r = _run_script(dry_bundle[0] / "launch_tpu.sh", tmp_path, "up", env={"GCLOUD_AFTER_CREATE": after, "UP_WAIT_S": "0"})
+    assert r.returncode == rc and says in r.stderr, (r.stdout, r.stderr)
+
+
+def test_down_refuses_while_a_point_runs_unless_forced(dry_bundle, tmp_path, recorder):
+    script = dry_bundle[0] / "launch_tpu.sh"
+    busy = {"DILOCO_PYTHON": shutil.which("true")}  # `status --busy` exits 0: a point runs
+    r = _run_script(script, tmp_path, "down", env=busy)
+    assert r.returncode == 1 and "a point is running on pod-1" in r.stderr and not recorder.exists()
+    r = _run_script(script, tmp_path, "down", "--force", env=busy)
+    assert r.returncode == 0
+    assert json.loads(recorder.read_text()) == ["compute", "tpus", "queued-resources", "delete", "pod-1",
+                                                "--zone=us-east5-a", "--project=proj", "--force", "--quiet"]
+
+
+def test_usage_and_logs_without_logs(dry_bundle, tmp_path, recorder):
+    script = dry_bundle[0] / "launch_tpu.sh"
+    r = _run_script(script, tmp_path, "run")
+    assert r.returncode == 2 and "usage: bash" in r.stderr
+    r = _run_script(script, tmp_path, "logs", "tau=0")
+    assert r.returncode == 1 and "no logs yet under gs://bkt/runs/two/tau=0/logs/" in r.stderr
+
+
+REAL_GCLOUD = shutil.which("gcloud", path="/usr/bin:/usr/local/bin:/usr/lib/google-cloud-sdk/bin")
+
+
+@pytest.mark.skipif(not REAL_GCLOUD or not shutil.which("unshare"), reason="needs the Google Cloud CLI and unshare")
+def test_every_generated_gcloud_line_parses_with_the_real_gcloud(dry_bundle, tmp_path, recorder):
+    """Each command line the script runs goes through the real gcloud's argument parser, in a network
+    namespace with no network and an empty configuration: it must fail for want of an account or a
+    project, never for an unknown flag or a missing argument (gcloud's exit 2)."""
+    script = dry_bundle[0] / "launch_tpu.sh"
+    recorder_env = {"DILOCO_PYTHON": shutil.which("false"), "GCLOUD_LS": "gs://bkt/runs/two/tau=0/logs/attempt-1/\n"}
+    for args in (["up"], ["start"], ["status"], ["logs", "tau=0"], ["stop"], ["down"]):
+        _run_script(script, tmp_path, *args, env=recorder_env)
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp", name="one")
+    assert sw.main([str(f), "--root", "gs://bkt/r", *TPU, "--accelerator", "v5litepod-4", "--best-effort", "--out", str(tmp_path / "one"), "--dry-run"]) == 0
+    _run_script(tmp_path / "one" / "launch_tpu.sh", tmp_path, "up")
+    calls = {tuple(json.loads(line)) for line in recorder.read_text().splitlines()}
+    assert {c[3] for c in calls if c[1:3] == ("tpus", "queued-resources") or c[2:4] == ("tpus", "queued-resources")} \
+        >= {"create", "describe", "delete", "ssh"}
+    cfg = tmp_path / "cloudsdk"
+    cfg.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CLOUDSDK_CONFIG": str(cfg), "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
+           "CLOUDSDK_CORE_CHECK_GCE_METADATA": "false", "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "1",
+           "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
+           "GCE_METADATA_IP": "127.0.0.1:9"}
+    for call in sorted(calls):
+        r = subprocess.run(["unshare", "--net", REAL_GCLOUD, *call], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode != 2 and "unrecognized arguments" not in r.stderr and "invalid choice" not in r.stderr, \
+            (call, r.stderr)
+        assert "active account" in r.stderr or "[project]" in r.stderr or "credential" in r.stderr.lower(), (call, r.stderr)
