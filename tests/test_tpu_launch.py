@@ -434,3 +434,182 @@ def test_every_generated_gcloud_line_parses_with_the_real_gcloud(dry_bundle, tmp
         assert r.returncode != 2 and "unrecognized arguments" not in r.stderr and "invalid choice" not in r.stderr, \
             (call, r.stderr)
         assert "active account" in r.stderr or "[project]" in r.stderr or "credential" in r.stderr.lower(), (call, r.stderr)
+
+
+# -- against the stand-in of Cloud TPU and Cloud Storage (tests/standin/) ---------------------------
+TRACE_ENV = "exec 19>>\"$DILOCO_TRACE\"; BASH_XTRACEFD=19; PS4='+${BASH_SOURCE##*/}:${LINENO}: '; set -x\n"
+NOT_RUN = __import__("re").compile(r"^\s*(#.*|;;|esac|fi|done|else|then|do|[^\s()]+(\s*\|\s*[^\s()]+)*\))?\s*$")
+
+
+def executable_lines(text: str) -> set[int]:
+    """Line numbers bash's xtrace reports when they run: not blank, comments, `;;`, closers or case
+    patterns; a command continued with `\\` counts once, at its first line."""
+    out, cont = set(), False
+    for i, line in enumerate(text.splitlines(), 1):
+        if not cont and i > 1 and not NOT_RUN.fullmatch(line):
+            out.add(i)
+        cont = line.rstrip().endswith("\\")
+    return out
+
+
+def traced_lines(trace: Path, names: tuple[str, ...]) -> set[int]:
+    import re
+
+    got = set()
+    for line in trace.read_text(errors="replace").splitlines() if trace.exists() else []:
+        m = re.match(r"\++([^:]+):(\d+): ", line)
+        if m and m.group(1) in names:
+            got.add(int(m.group(2)))
+    return got
+
+
+@pytest.fixture
+def traced(tmp_path, standin):
+    """Bash on the laptop and on every stand-in host traces each line it runs (file:line) to a file;
+    the hosts run this interpreter as the agent's (DILOCO_TPU_PYTHON: no install)."""
+    trace = tmp_path / "trace.txt"
+    benv = tmp_path / "bash_env"
+    benv.write_text(TRACE_ENV)
+    extra = {"BASH_ENV": str(benv), "DILOCO_TRACE": str(trace), "DILOCO_TPU_PYTHON": sys.executable}
+    standin.configure(emulator_env={**standin.config["emulator_env"], **extra})
+    return trace, {**extra, "DILOCO_TPU_PYTHON": ""}
+
+
+def _sh(script: Path, *args, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "POLL_S": "0.2", **env})
+    print(f"$ launch_tpu.sh {' '.join(args)} → {r.returncode}\n{r.stdout}{r.stderr}")
+    return r
+
+
+def _gcloud_calls(standin) -> list[list[str]]:
+    return [i["argv"] for i in standin.invocations() if i["host"] is None]
+
+
+def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(standin, gcs, tmp_path, capsys):
+    """A C4 point whose data_dir on gs:// holds no prepared dataset, a gs:// vocabulary that is not there,
+    a bucket that does not exist: one line each, no gcloud call, no bundle, nothing left in the bucket.
+    With dataset_info.json in place everything passes, and `up` uploads the bundle with the staged
+    vocabulary the points' argv name."""
+    vocab = tmp_path / "spm.model"
+    vocab.write_bytes(b"sentencepiece model bytes")
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
+    out = tmp_path / "bundle"
+    argv = [str(f), "--root", gcs.url("runs"), *TPU, "--accelerator", "v5p-8", "--out", str(out),
+            "--set", f"data_dir={gcs.url('tfds')}", "--set", f"vocab=sentencepiece:{vocab}"]
+
+    def refused() -> str:
+        assert sw.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and not out.exists() and not _gcloud_calls(standin), err
+        assert not [n for n in gcs.objects() if "probe" in n], "the probe object was left behind"
+        return err
+
+    assert "data_dir: point default: no prepared TFDS 'c4' dataset under 'gs://" in refused()
+    info = {"name": "c4", "configName": "en", "version": "3.1.0",
+            "splits": [{"name": "train", "shardLengths": ["10"]}, {"name": "validation", "shardLengths": ["5"]}]}
+    gcs.write(gcs.url("tfds/c4/en/3.1.0/dataset_info.json"), json.dumps(info))
+    argv[-1] = f"vocab=sentencepiece:{gcs.url('vocab/none.model')}"
+    assert "vocab: point default: sentencepiece model 'gs://" in refused()
+    argv[-1] = f"vocab=sentencepiece:{vocab}"
+    argv[argv.index("--root") + 1] = "gs://no-such-bucket-here/runs"
+    assert "--root: gs://no-such-bucket-here/runs: cannot write a probe object" in refused()
+    argv[argv.index("--root") + 1] = gcs.url("runs")
+    assert sw.main(argv) == 0, capsys.readouterr().err
+    assert list(gcs.objects()) == ["tfds/c4/en/3.1.0/dataset_info.json"] and not _gcloud_calls(standin)
+    plan = json.loads((out / "plan.json").read_text())
+    staged = plan["points"][0]["argv"][-1].removeprefix("--config.vocab=sentencepiece:")
+    assert staged == f"{gcs.url('runs/t/_launch')}/{preflight.staged_vocab_name(str(vocab))}"
+    standin.configure(waiting_s=None)  # the request stays queued: nothing boots
+    r = _sh(out / "launch_tpu.sh", "up", env={"UP_WAIT_S": "0"})
+    assert r.returncode == 1 and "still WAITING_FOR_RESOURCES" in r.stderr
+    assert gcs.read(staged) == vocab.read_bytes()
+    assert {n.rsplit("/", 1)[-1] for n in gcs.objects("runs/t/_launch/")} == {p.name for p in out.iterdir()}
+
+
+def _lifecycle_sweep(tmp_path, gcs, out) -> list[str]:
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,diloco_h30", '[{"steps": 60}, {"steps": 8}]',
+                     name="life")
+    return [str(f), "--root", gcs.url("runs"), *TPU, "--accelerator", "v5p-8", "--slices", "2", "--out", str(out),
+            "--set", "seq_len=32", "--set", "batch_size=16", "--set", "H=4", "--set", "log_every=2",
+            "--set", "eval_every=4", "--set", "eval_batches=1", "--set", "checkpoint_every=100",
+            "--set", "optimizer.warmup_steps=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_up_start_status_logs_stop_down_on_the_standin_run_every_line_of_the_launch_script(
+        standin, gcs, tmp_path, traced):
+    """A two-point sweep on 2 slices of v5p-8 (one host each, 4 CPU devices per host): every launch_tpu.sh
+    command, the queued resource held, failed and suspended on the way; stop returns once the running
+    point's checkpoint is saved and every agent has exited; start resumes; down deletes. Every executable
+    line of launch_tpu.sh and of startup.sh (but its install, run by the install test) is traced."""
+    from diloco.tpu import status as S
+
+    trace, env = traced
+    out = tmp_path / "bundle"
+    standin.configure(cpu_devices=4, waiting_s=None)
+    assert sw.main(_lifecycle_sweep(tmp_path, gcs, out)) == 0
+    script, base = out / "launch_tpu.sh", gcs.url("runs/life")
+    assert _sh(script, env=env).returncode == 2
+    r = _sh(script, "logs", "steps=60", env=env)
+    assert r.returncode == 1 and "no logs yet" in r.stderr
+    # held in WAITING_FOR_RESOURCES: up gives up after its bound and says how to go on
+    r = _sh(script, "up", env={**env, "UP_WAIT_S": "1"})
+    assert r.returncode == 1 and "pod-1 is still WAITING_FOR_RESOURCES after 1s" in r.stderr
+    # FAILED: up deletes it and creates it again
+    standin.set_state("pod-1", "FAILED")
+    r = _sh(script, "up", env={**env, "UP_WAIT_S": "1"})
+    assert r.returncode == 1 and "pod-1 is FAILED: deleting it to create it again" in r.stdout
+    verbs = [c[3] for c in _gcloud_calls(standin) if c[:3] == ["compute", "tpus", "queued-resources"]]
+    assert verbs[-5:] == ["describe", "delete", "describe", "create", "describe"] or \
+        verbs[-6:-1] == ["describe", "delete", "describe", "create", "describe"], verbs
+    # SUSPENDED while up waits: up reports it instead of waiting for ever
+    p = subprocess.Popen(["bash", str(script), "up"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "POLL_S": "0.2", **env, "UP_WAIT_S": "120"})
+    standin.wait_for(lambda: standin.state("pod-1") == "WAITING_FOR_RESOURCES", what="the request queued")
+    standin.set_state("pod-1", "SUSPENDED")
+    so, se = p.communicate(timeout=60)
+    assert p.returncode == 1 and "pod-1 is SUSPENDED" in se, (so, se)
+    # capacity arrives: up recreates the suspended resource and returns once it is ACTIVE
+    standin.configure(waiting_s=0.2)
+    r = _sh(script, "up", env=env)
+    assert r.returncode == 0 and "pod-1 is SUSPENDED: deleting it" in r.stdout and "pod-1 is ACTIVE" in r.stdout
+    r = _sh(script, "start", env=env)  # the agents started at boot stay; start is idempotent
+    assert r.returncode == 0 and r.stdout.count("the agent already runs") == 2, r.stdout
+    standin.wait_for(lambda: S.collect(base)["points"][0]["state"] == "running" and
+                     gcs.objects(f"runs/life/steps=60/metrics.jsonl"), timeout=600, what="point 1 running")
+    r = _sh(script, "status", env=env)
+    assert r.returncode == 2 and "queued resource pod-1: ACTIVE" in r.stdout and "running" in r.stdout
+    r = _sh(script, "down", env=env)
+    assert r.returncode == 1 and "a point is running on pod-1" in r.stderr
+    r = _sh(script, "stop", env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert not [p for p in standin.processes("pod-1") if p["slice"] is not None], "an agent or trainer still runs"
+    ckpt = {n.split("/ckpt/")[1].split("/")[0] for n in gcs.objects("runs/life/steps=60/ckpt/")}
+    assert any(c.isdigit() for c in ckpt) and not [c for c in ckpt if "tmp" in c], ckpt  # saved and finalized
+    r = _sh(script, "start", env=env)
+    assert r.returncode == 0 and r.stdout.count("agent started") == 2, r.stdout
+    standin.wait_for(lambda: S.exit_code(S.collect(base)) != 2, timeout=900, what="both points ended")
+    r = _sh(script, "status", env=env)
+    assert r.returncode == 0 and r.stdout.count("finished") >= 2, r.stdout
+    r = _sh(script, "logs", "steps=60", env=env)
+    assert r.returncode == 0 and "slice0-worker0.log <==" in r.stdout and "slice1-worker0.log <==" in r.stdout
+    r = _sh(script, "logs", "steps=60", "slice1-worker0", env=env)
+    assert r.returncode == 0 and "slice1-worker0.log <==" in r.stdout and "slice0-worker0" not in r.stdout
+    r = _sh(script, "down", env=env)
+    assert r.returncode == 0 and standin.state("pod-1") is None
+    assert standin.secrets() == []
+    # every executable line of both scripts ran (startup.sh's install block runs in the install test)
+    launch = executable_lines(script.read_text()) - traced_lines(trace, ("launch_tpu.sh",))
+    assert not launch, [script.read_text().splitlines()[i - 1] for i in sorted(launch)]
+    text = (out / "startup.sh").read_text()
+    missed = executable_lines(text) - traced_lines(trace, ("startup-script", "diloco-startup.sh"))
+    assert missed == install_lines(text), [text.splitlines()[i - 1] for i in sorted(missed)]
+
+
+def install_lines(startup: str) -> set[int]:
+    lines = startup.splitlines()
+    a = next(i for i, l in enumerate(lines, 1) if l.startswith("elif [ ! -f \"$env/.complete\" ]"))
+    b = next(i for i, l in enumerate(lines, 1) if i > a and l == "fi")
+    return set(range(a + 1, b))
