@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from standin.cloud import GcloudError, accelerator_hosts
+from standin.cloud import GcloudError, accelerator_hosts, own_accelerator_hosts
 from standin.secrets import find_secrets
 
 QR = ("compute", "tpus", "queued-resources")
@@ -40,15 +40,30 @@ def two_slices(standin, tmp_path, startup: str | None = None, name: str = "qr", 
 
 
 def test_accelerator_names_give_the_hosts_of_one_slice():
-    assert accelerator_hosts("v5p-8") == (4, 1)  # TensorCores: 2 per chip, 4 chips per host
-    assert accelerator_hosts("v5p-16") == (8, 2)
-    assert accelerator_hosts("v4-32") == (16, 4)
-    assert accelerator_hosts("v5p-384") == (192, 48)  # 4x4x12
-    assert accelerator_hosts("v5litepod-8") == (8, 1)  # chips; up to 8 on one host
-    assert accelerator_hosts("v6e-16") == (16, 4)
-    for bad in ("v5p-48", "v5litepod-24", "v5e-8", "v5p-7"):
-        with pytest.raises(GcloudError):
-            accelerator_hosts(bad)
+    for hosts in (accelerator_hosts, own_accelerator_hosts):
+        assert hosts("v5p-8") == (4, 1)  # TensorCores: 2 per chip, 4 chips per host
+        assert hosts("v5p-16") == (8, 2)
+        assert hosts("v4-32") == (16, 4)
+        assert hosts("v5p-384") == (192, 48)  # 4x4x12
+        assert hosts("v5litepod-8") == (8, 1)  # chips; up to 8 on one host
+        assert hosts("v6e-16") == (16, 4)
+        for bad in ("v5p-48", "v5litepod-24", "v5e-8", "v5p-7", "v4-8320"):
+            with pytest.raises(GcloudError):
+                hosts(bad)
+
+
+def test_the_stand_ins_own_accelerator_rule_agrees_with_the_launchers_table():
+    accelerators = pytest.importorskip("diloco.tpu.accelerators")
+    for gen, sizes in (("v4", range(2, 8400, 2)), ("v5p", range(2, 12400, 2)), ("v5litepod", range(300)),
+                       ("v6e", range(300))):
+        for n in [*sizes, 7, 9, 15]:
+            name = f"{gen}-{n}"
+            try:
+                mine = own_accelerator_hosts(name)
+            except GcloudError:
+                mine = None
+            s = accelerators.TABLE.get(name)
+            assert mine == (s and (s.chips, s.hosts)), name
 
 
 def test_create_describe_list_delete_through_the_stub(standin, tmp_path, monkeypatch):

@@ -54,16 +54,31 @@ class GcloudError(Exception):
 
 
 def accelerator_hosts(accelerator_type: str) -> tuple[int, int]:
-    """(chips, hosts) of one slice, for the names Cloud TPU accepts. v4-N / v5p-N count TensorCores
-    (2 per chip; 3-D slices AxBxC with every side ≤ 4, or every side a multiple of 4); v5litepod-N /
-    v6e-N count chips (1, 4, 8, …, 256: one host up to 8 chips). 4 chips per host otherwise."""
+    """(chips, hosts) of one slice of a type Cloud TPU accepts: diloco.tpu.accelerators' table (the
+    launcher's source of truth), or this module's own rule where that is not importable."""
+    try:
+        from diloco.errors import ConfigError
+        from diloco.tpu.accelerators import parse
+    except ImportError:
+        return own_accelerator_hosts(accelerator_type)
+    try:
+        s = parse(accelerator_type)
+    except ConfigError as e:
+        raise GcloudError(f"INVALID_ARGUMENT: accelerator type {accelerator_type!r} does not exist ({e})") from None
+    return s.chips, s.hosts
+
+
+def own_accelerator_hosts(accelerator_type: str) -> tuple[int, int]:
+    """v4-N / v5p-N count TensorCores (2 per chip; 3-D slices AxBxC with every side ≤ 4, or every side
+    a multiple of 4; at most 4096 / 6144 chips); v5litepod-N / v6e-N count chips (1, 4, 8, …, 256: one
+    host up to 8 chips). 4 chips per host otherwise."""
     m = re.fullmatch(r"(v4|v5p|v5litepod|v6e)-(\d+)", accelerator_type)
     if not m:
         raise GcloudError(f"INVALID_ARGUMENT: accelerator type {accelerator_type!r} is not a TPU type")
     gen, n = m.group(1), int(m.group(2))
     if gen in ("v4", "v5p"):
         chips = n // 2
-        ok = n % 2 == 0 and (chips in (4, 8, 16, 32, 64) or any(
+        ok = n % 2 == 0 and chips <= {"v4": 4096, "v5p": 6144}[gen] and (chips in (4, 8, 16, 32, 64) or any(
             chips % (a * b) == 0 and chips // (a * b) % 4 == 0 and chips // (a * b) >= b
             for a in range(4, round(chips ** (1 / 3)) + 1, 4) for b in range(a, chips // a + 1, 4)))
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -100,9 +101,11 @@ class Standin(Cloud):
 
 @pytest.fixture(scope="session")
 def gcs_emulator(tmp_path_factory):
-    emu = Emulator.start(tmp_path_factory.mktemp("gcs-emulator"))
+    state = tmp_path_factory.mktemp("gcs-emulator")
+    emu = Emulator.start(state)
     yield emu
     emu.stop()
+    shutil.rmtree(state, ignore_errors=True)  # the journal holds every object body of the session
 
 
 @pytest.fixture

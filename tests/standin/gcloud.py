@@ -30,11 +30,10 @@ import os
 import re
 import shutil
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `standin`
-from standin.cloud import Cloud, GcloudError  # noqa: E402
+from standin.cloud import Cloud, GcloudError, duration_seconds  # noqa: E402
 
 GLOBAL = ("--project", "--quiet", "-q", "--format")
 
@@ -129,8 +128,6 @@ def queued_resources(cloud: Cloud, verb: str, args: list[str], alpha: bool) -> i
                 files[key] = path
         try:
             if a.valid_until_duration:
-                from standin.cloud import duration_seconds
-
                 duration_seconds(a.valid_until_duration)
         except ValueError as e:
             raise Usage(f"--valid-until-duration: {e}")
