@@ -10,6 +10,7 @@
     gcloud compute tpus queued-resources list [--zone=Z] [--format=…]
     gcloud compute tpus queued-resources delete NAME --zone=Z [--force] [--quiet] [--async]
     gcloud compute tpus queued-resources ssh NAME --zone=Z [--node=all|i|…] [--worker=all|j|…] --command=CMD
+        [--batch-size=N|all] [--internal-ip | --tunnel-through-iap]
     gcloud storage cp [-r] [-n] SRC… DST          (local ↔ gs://, gs:// → gs://, `-` = stdin / stdout)
     gcloud storage cat URL…
     gcloud storage ls [URL…]                      (exit 1, "One or more URLs matched no objects.")
@@ -180,7 +181,11 @@ def queued_resources(cloud: Cloud, verb: str, args: list[str], alpha: bool) -> i
         p.add_argument("--node", default="0")
         p.add_argument("--worker", default="0")
         p.add_argument("--command", required=True)
-        a = p.parse_args(args)
+        p.add_argument("--batch-size", default="64", type=lambda v: v if v == "all" or int(v) > 0 else int("x"))
+        route = p.add_mutually_exclusive_group()  # how ssh reaches the VMs: recorded, not enforced
+        route.add_argument("--internal-ip", action="store_true")
+        route.add_argument("--tunnel-through-iap", action="store_true")
+        a = p.parse_args(args)  # every chosen host runs at once (--batch-size only limits a real client)
         return cloud.ssh(a.name.split("@")[-1], a.zone, a.node, a.worker, a.command)
     raise Usage(f"unknown command 'queued-resources {verb}'; the stand-in implements create, describe, list, "
                 "delete, ssh")
