@@ -197,7 +197,7 @@ def test_what_the_stand_in_does_not_implement_is_refused_with_exit_2(standin, tm
     common = ("qr", f"--zone={ZONE}", "--accelerator-type=v5p-8", "--runtime-version=v", "--node-id=qr")
     for argv in [("compute", "tpus", "tpu-vm", "ssh", "qr"), (*QR, "create", *common, "--best-effort"),
                  (*QR, "create", "qr", f"--zone={ZONE}", "--topology=2x2x1", "--runtime-version=v", "--node-id=qr"),
-                 (*QR, "ssh", "qr", f"--zone={ZONE}", "--command=true", "--batch-size=4"), ("storage", "mv", "a", "b"),
+                 (*QR, "ssh", "qr", f"--zone={ZONE}", "--command=true", "--dry-run"), ("storage", "mv", "a", "b"),
                  (*QR, "create", *common, "--zon=x"), (*QR, "describe", "qr", f"--zone={ZONE}", "--format=csv")]:
         r = standin.gcloud(*argv)
         assert r.returncode == 2 and r.stderr.startswith("ERROR: (gcloud"), (argv, r.stderr)
