@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco import distributed as dist
+from diloco.outer import methods
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,25 +115,38 @@ def _launch(argv: list[str], out: Path) -> int:
 
 
 # -- the trainer itself over shaped links (diloco launch -- train) ------------------------------------
-# A measurement variant is a method variant of diloco/outer/methods.py (the one vocabulary; it gives
-# the simulator's method) run a certain way: with or without a comm device, and the τ that overlaps.
-# name -> (experiments/toy.py method, overrides, comm device, methods.VARIANTS name, simulator τ)
+# A measurement variant is a variant of diloco/outer/methods.py (the one vocabulary: its config overrides
+# and the simulator's method) run a certain way: what the measurement sets on top (DiLoCo's payload in
+# bf16, as the simulator prices it; τ) and whether the exchange runs on a comm device (overlapped) or
+# blocks (then the simulator models the variant without overlap).
+# name -> (methods.VARIANTS name, overrides, comm device)
 TRAIN_VARIANTS = {
-    "dp": ("dp", dict(replicas=2), False, "dp", 0),
-    "diloco": ("streaming", dict(fragments=1, layers_per_fragment=0, tau=0, codec="bf16"), False, "diloco", 0),
-    "streaming_fp4_blocking": ("streaming", dict(tau=1), False, "streaming_fp4", 0),
-    "streaming_fp4_overlap": ("streaming", dict(tau=1), True, "streaming_ovl_fp4", 1),
-    "streaming_fp4_overlap_tau5": ("streaming", dict(tau=5), True, "streaming_ovl_fp4", 5),
+    "dp": ("dp", dict(replicas=2), False),
+    "diloco": ("diloco", dict(codec="bf16"), False),
+    "streaming_fp4_blocking": ("streaming_ovl_fp4", {}, False),
+    "streaming_fp4_overlap": ("streaming_ovl_fp4", {}, True),
+    "streaming_fp4_overlap_tau5": ("streaming_ovl_fp4", dict(tau=5), True),
 }
+
+
+def sim_variant(variant: str) -> tuple[str, int]:
+    """(methods variant the simulator runs, its τ): a blocking run is its variant without the overlap
+    (streaming_ovl_fp4 → streaming_fp4, τ 0)."""
+    name, over, comm = TRAIN_VARIANTS[variant]
+    if comm:
+        return name, int(over.get("tau", methods.VARIANTS[name].tau))
+    return methods.get(name.replace("_ovl", "")).name, 0
 
 
 def train_args(variant: str, steps: int, H: int, workdir: Path) -> tuple[list[str], bool]:
     """`diloco train` argv of one variant (toy scale, batch 8 × 64 per replica) and its comm flag."""
-    method, over, comm, _, _ = TRAIN_VARIANTS[variant]
+    name, over, comm = TRAIN_VARIANTS[variant]
+    v = methods.VARIANTS[name]
     base = dict(seq_len=64, batch_size=16, steps=steps, H=H, log_every=H, eval_every=steps, eval_batches=2,
                 checkpoint_every=steps, codec_block_size=256)
-    argv = ["train", "--config", f"experiments/toy.py:{method}", "--workdir", str(workdir), "--no_progress"]
-    return argv + [f"--config.{k}={v}" for k, v in {**base, **over}.items()], comm
+    argv = ["train", "--config", f"experiments/toy.py:{v.method}", "--workdir", str(workdir), "--no_progress"]
+    sets = {**base, **{k: x for k, x in v.config_overrides().items() if k != "method"}, **over}
+    return argv + [f"--config.{k}={x}" for k, x in sets.items()], comm
 
 
 def _payload_bytes(summary: dict, n_params: int) -> list[int]:
@@ -152,7 +166,8 @@ def train_row(variant: str, rate: str, workdir: Path, H: int, ref_step_s: float 
     summ = json.loads((workdir / "summary.json").read_text())
     warm = 5 if variant == "dp" else 2 * H  # every jit (sends, applies, merges) has run once
     reps = [overlap_report(read_timeline(f), warm) for f in sorted((workdir / "timeline").glob("rank*.jsonl"))]
-    _, _, comm, sim_method, sim_tau = TRAIN_VARIANTS[variant]
+    comm = TRAIN_VARIANTS[variant][2]
+    sim_method, sim_tau = sim_variant(variant)
     row = {"variant": variant, "rate": rate, "rate_mbit": rate_mbit(rate), "comm_device": comm,
            "cu_ranks": [r.get("cu") for r in reps], "step_time_s": float(np.median([r["median_step_s"] for r in reps])),
            "wall_s": float(np.mean([r["wall_s"] for r in reps])), "steps_measured": reps[0]["steps_measured"],

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,11 +31,17 @@ def test_single_process_needs_no_initialize(monkeypatch):
 
 
 def test_one_failing_process_stops_the_others():
-    ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """The survivor is stopped by the launcher's SIGTERM (not left to finish its 10 minutes), and the
+    job's exit code is the failure's."""
+    import signal
+
+    ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     bad = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    t0 = time.time()
-    assert dist.wait_all([ok, bad]) == 3
-    assert time.time() - t0 < 30 and ok.poll() is not None
+    try:
+        assert dist.wait_all([ok, bad]) == 3
+        assert ok.returncode == -signal.SIGTERM
+    finally:
+        ok.kill()
 
 
 def test_launch_without_separator_is_a_usage_error(capsys):
@@ -53,7 +60,26 @@ def _rows(workdir) -> list[dict]:
     return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+def max_rel_diff(a: list[dict], b: list[dict], keys=("train_loss", "eval_loss")) -> float:
+    """The largest relative difference of `keys` between two metrics logs. They must log the same steps,
+    every row a train loss, each row the same of `keys` on both sides, and at least one eval loss."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] and a
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        assert [k for k in keys if k in x] == [k for k in keys if k in y], (x["step"], x, y)
+        assert "train_loss" in x, x
+        worst = max([worst, *(abs(y[k] - x[k]) / abs(x[k]) for k in keys if k in x)])
+    assert any("eval_loss" in x for x in a)
+    return worst
+
+
+# What the README states (and measured by these tests, -s prints it).
+TWO_VS_ONE_REL = 1e-5
+FOUR_VS_ONE_REL = 1e-6
+
+
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("method,comm", [("streaming", False), ("streaming", True), ("dp", False)])
 def test_two_processes_match_one_process(tmp_path, method, comm):
     """Same config and seed: the 2-process job logs the numbers of the 1-process run, also when the
@@ -66,14 +92,12 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
                "--", "train", "--config", f"experiments/toy.py:{method}", "--workdir", str(two), *TINY, *extra])
     assert r2.returncode == 0, r2.stderr[-3000:]
     a, b = _rows(one), _rows(two)
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b):
-        assert x["bytes_exchanged"] == y["bytes_exchanged"]
-        for k in ("train_loss", "eval_loss"):
-            if k in x:
-                assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), (k, x["step"])
+    worst = max_rel_diff(a, b)
+    print(f"2 processes vs 1 ({method}, comm_device={comm}): max relative difference of the logged losses {worst:.2e}")
+    assert worst <= TWO_VS_ONE_REL
+    assert [x["bytes_exchanged"] for x in a] == [y["bytes_exchanged"] for y in b]
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
-    assert s2["final_eval_loss"] == pytest.approx(s1["final_eval_loss"], rel=1e-5)
+    assert s2["final_eval_loss"] == pytest.approx(s1["final_eval_loss"], rel=TWO_VS_ONE_REL, abs=0)
     assert s2["versions"]["devices"] == (4 if comm else 2)  # the job really spans two processes
     from diloco.outer.overlap import overlap_report, read_timeline
 
@@ -89,6 +113,7 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_to_the_launcher_checkpoints_every_process_and_the_rerun_resumes(tmp_path):
     """Preempting a 2-process overlapped run: the ranks agree on one step, save there together and
     exit 130; the same command resumes and logs exactly the numbers of an uninterrupted run."""
@@ -136,6 +161,7 @@ def _eight_devices_in_one_process(workdir) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
     """replica 2 × data 2 × fsdp 2 over 4 processes: the numbers of one process with 8 devices; each
     process read a quarter of the tokens (its own block of every batch) and only process 0 wrote."""
@@ -147,16 +173,15 @@ def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
     assert r4.returncode == 0, r4.stderr[-3000:]
     a, b = _rows(one), _rows(four)
     assert [r["step"] for r in b] == [2, 4, 6, 8]  # one row per log step: the other processes wrote none
-    for x, y in zip(a, b):
-        for k in ("train_loss", "eval_loss"):
-            if k in x:
-                assert y[k] == pytest.approx(x[k], rel=1e-6, abs=0), (k, x["step"])
+    worst = max_rel_diff(a, b)
+    print(f"4 processes × 2 devices vs 1 × 8: max relative difference of the logged losses {worst:.2e}")
+    assert worst <= FOUR_VS_ONE_REL
     s1, s4 = (json.loads((d / "summary.json").read_text()) for d in (one, four))
     # Not bit-identical: a reduction over the 4 devices of a replica (data × fsdp) adds in gloo's order
     # across processes and in XLA's own order inside one process; the last bits differ (and an E3M0
     # code near a rounding boundary may then flip by one step). The final θᵍ scores the same to 1e-6.
     for k in ("final_eval_loss", "final_eval_loss_undrained"):
-        assert s4[k] == pytest.approx(s1[k], rel=1e-6, abs=0), k
+        assert s4[k] == pytest.approx(s1[k], rel=FOUR_VS_ONE_REL, abs=0), k
     assert s4["processes"] == 4 and s4["versions"]["devices"] == 8
     assert s4["tokens_read"] == [8 * 2 * 32] * 4  # steps × rows of its block × seq_len, per process
     assert s1["tokens_read"] == [8 * 8 * 32]
@@ -177,10 +202,19 @@ def _children(pid: int) -> dict[int, int]:
     return out
 
 
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped by whoever inherited it counts as exited)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigkill_of_one_host_stops_the_others_and_the_rerun_resumes_bit_identically(tmp_path):
-    """SIGKILL rank 2 after the step-4 checkpoint: the launcher stops the others within 60 s (10 s
-    grace after it sees the death); the same command resumes from the shared checkpoint and ends
+    """SIGKILL rank 2 after the step-4 checkpoint: the launcher stops the others (SIGTERM, then SIGKILL
+    after a 10 s grace) and exits non-zero; the same command resumes from the shared checkpoint and ends
     with the numbers of an uninterrupted run of the same 4 processes, bit for bit."""
     import signal
 
@@ -197,10 +231,11 @@ def test_sigkill_of_one_host_stops_the_others_and_the_rerun_resumes_bit_identica
     while p.poll() is None and time.time() < deadline and not (four / "ckpt" / "4").is_dir():
         time.sleep(0.05)
     assert p.poll() is None, "the run ended before it could be killed"
-    os.kill(_children(p.pid)[2], signal.SIGKILL)
-    t0 = time.time()
-    p.communicate(timeout=120)
-    assert p.returncode != 0 and time.time() - t0 < 60
+    ranks = _children(p.pid)
+    os.kill(ranks[2], signal.SIGKILL)
+    p.communicate(timeout=300)  # a hang guard, not a measurement
+    assert p.returncode != 0
+    assert [rank for rank, pid in ranks.items() if not _gone(pid)] == []  # none left waiting on a collective
     assert not (four / "summary.json").exists()
     r2 = _run(["launch", "--processes", "4", "--devices_per_process", "2", "--logdir", str(tmp_path / "logs2"), "--",
                "train", "--workdir", str(four), *HOSTS])
@@ -275,6 +310,7 @@ def test_netns_script_shapes_links():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_trainer_exchange_overlaps_inner_steps_on_a_throttled_link(tmp_path):
     """At 1 Mbit/s a tiny fragment (12.7 KB in E3M0) takes ≈0.1 s on the wire, ~20 tiny inner steps:
     with a comm device the loop runs the next inner steps while it is in flight."""
@@ -352,6 +388,7 @@ def test_simulated_cu_rises_with_bandwidth_and_fp4_needs_less():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_netbench_throughput_on_loopback(tmp_path):
     out = tmp_path / "tp.json"
     r = _run(["launch", "--processes", "2", "--", "netbench", "throughput", "--mb", "1", "--repeats", "2",
@@ -362,9 +399,11 @@ def test_netbench_throughput_on_loopback(tmp_path):
 
 
 def test_trainer_sweep_variants_are_valid_and_differ_only_where_named(tmp_path):
-    """Blocking and overlapped Streaming run one config (same numbers); only the comm device differs."""
+    """Blocking and overlapped Streaming run one config (same numbers); only the comm device differs.
+    Every variant is its methods.VARIANTS variant (the one vocabulary) plus what netbench names."""
     from diloco.config import load_config, to_json
-    from diloco.netbench import TRAIN_VARIANTS, train_args
+    from diloco.netbench import TRAIN_VARIANTS, sim_variant, train_args
+    from diloco.outer import methods
 
     cfgs, comm = {}, {}
     for v in TRAIN_VARIANTS:
@@ -377,8 +416,15 @@ def test_trainer_sweep_variants_are_valid_and_differ_only_where_named(tmp_path):
     assert (s.method, s.codec, s.tau, s.layers_per_fragment, s.H, s.batch_size // s.replicas, s.seq_len) == \
         ("streaming", "e3m0", 1, 3, 20, 8, 64)
     d = cfgs["diloco"]
-    assert (d.method, d.fragments, d.tau, d.codec) == ("streaming", 1, 0, "bf16")
+    assert (d.method, d.layers_per_fragment, d.tau, d.alpha, d.codec) == ("diloco", 0, 0, 0.0, "bf16")  # P = 1
     assert cfgs["dp"].method == "dp" and cfgs["dp"].batch_size == 16
+    for v, (name, over, _) in TRAIN_VARIANTS.items():
+        assert methods.classify(cfgs[v].to_dict()).name == name, v  # the report labels the run by that variant
+        want = {**methods.VARIANTS[name].config_overrides(), **over}
+        assert {k: cfgs[v][k] for k in want} == want, v
+    assert {v: sim_variant(v) for v in TRAIN_VARIANTS} == {
+        "dp": ("dp", 0), "diloco": ("diloco", 0), "streaming_fp4_blocking": ("streaming_fp4", 0),
+        "streaming_fp4_overlap": ("streaming_ovl_fp4", 1), "streaming_fp4_overlap_tau5": ("streaming_ovl_fp4", 5)}
 
 
 def test_netbench_timeline_reports_each_rank(tmp_path, capsys):
