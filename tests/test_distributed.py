@@ -53,7 +53,7 @@ def _run(cmd: list[str], cwd=REPO) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("XLA_FLAGS", None)
     return subprocess.run([sys.executable, "-m", "diloco.cli", *cmd], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=600)
+                          env=env, timeout=1800)  # a hang guard: CI bounds the tier
 
 
 def _rows(workdir) -> list[dict]:
@@ -73,8 +73,10 @@ def max_rel_diff(a: list[dict], b: list[dict], keys=("train_loss", "eval_loss"))
     return worst
 
 
-# What the README states (and measured by these tests, -s prints it).
-TWO_VS_ONE_REL = 1e-5
+# What the README states. Two processes vs one: the losses differ by at most one float32 rounding step
+# (2⁻²³ relative; measured 4.1e-8 for Streaming with and without the comm device, 8.6e-8 for DP:
+# `pytest -m slow -s` prints it).
+TWO_VS_ONE_REL = 2.0**-23
 FOUR_VS_ONE_REL = 1e-6
 
 
@@ -157,7 +159,7 @@ HOSTS = ["--config", "experiments/toy.py:streaming", *TINY, "--config.batch_size
 def _eight_devices_in_one_process(workdir) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     return subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--workdir", str(workdir), *HOSTS],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
 
 
 @pytest.mark.slow
