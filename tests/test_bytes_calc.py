@@ -111,6 +111,18 @@ def test_cli_json_and_text(capsys):
     assert "assumptions" in out and "global batch ≈ 70.5" in out
 
 
+def test_the_readme_ratios_at_our_1b_scale(capsys):
+    """README: `--bits 4` gives 400.8× (Table 1's ratio), the real E3M0 payload 388.7×: 4 bits per element
+    plus one fp32 scale per block of 256 is 4.125 bits, so the ratio is 400.8 × 4 / 4.125."""
+    ratio = {}
+    for flag in (["--bits", "4"], ["--codec", "e3m0"]):
+        assert B.main(["--scale", "1B", "--tokens", "25B", "--method", "streaming", "--H", "100", *flag, "--json"]) == 0
+        ratio[flag[0]] = json.loads(capsys.readouterr().out)["ratio_dp_over_this"]
+    assert round(ratio["--bits"], 1) == 400.8 and round(ratio["--codec"], 1) == 388.7
+    # (a fragment whose size is not a multiple of 256 pads its last block: 2.4e-8 relative here)
+    assert ratio["--codec"] == pytest.approx(ratio["--bits"] * 4 / (4 + 32 / 256), rel=1e-7)
+
+
 @pytest.mark.parametrize("argv", [
     ["--params", "1B"],                                   # no --layers
     ["--params", "1B", "--layers", "24", "--tokens", "10"],  # less than one batch
