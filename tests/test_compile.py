@@ -148,17 +148,162 @@ def test_fsdp_by_the_rules_shrinks_the_compiled_step():
 
 
 def test_paper_table_markdown_from_rows(tmp_path):
-    """memory.md/.csv written from rows (sorted by scale, method, chip) and read back for resuming."""
+    """memory.md/.csv written from rows (sorted by scale, method, chip) and read back for resuming. A row
+    compiled with every program of the run names its peak program; a row from before #25 (inner + eval,
+    no flags) gets those columns filled as what it compiled and its fit is shown as inner+eval's only."""
     row = dict(scale="1B", method="DP", chip="v5e", topology="v5e:8x8", chips=64, devices=64, mesh="replica1×data1×fsdp64",
                params=1_300_000_000, global_batch=256, seq_len=2048, device_hbm_gib=16.0, state_gib=0.3,
                inner_peak_gib=9.5, eval_peak_gib=2.0, peak_gib=9.5, headroom=0.406, fits=True, step_tflop=4000.0,
-               step_seconds=0.79, compile_seconds=100.0, note="")
-    small = dict(row, scale="35M", topology="v5e:2x2", chips=4, devices=4, params=35_000_000)
+               step_seconds=0.79, compile_seconds=100.0, note="", programs="inner, eval",
+               program_peaks_gib="inner=9.5; eval=2.0", peak_program="inner", compiled_with=C.compiled_with())
+    small = dict(scale="35M", method="DP", chip="v5e", topology="v5e:2x2", chips=4, devices=4, mesh="replica1×data1×fsdp4",
+                 params=35_000_000, global_batch=32, seq_len=2048, device_hbm_gib=16.0, state_gib=0.1,
+                 inner_peak_gib=1.4, eval_peak_gib=1.5, peak_gib=1.5, headroom=0.906, fits=True, step_tflop=18.8,
+                 step_seconds=0.06, compile_seconds=60.0, note="")  # a row as committed before #25
     C.write_table([row, small], str(tmp_path))
     back = C.read_table(tmp_path / "memory.csv")
     assert [r["scale"] for r in back] == ["35M", "1B"] and back[1]["topology"] == "v5e:8x8"
+    assert back[0]["programs"] == "inner, eval" and back[0]["peak_program"] == "eval"
+    assert back[0]["program_peaks_gib"] == "inner=1.4; eval=1.5" and back[0]["compiled_with"] == C.COMPILED_BEFORE
+    assert back[1]["compiled_with"] == C.compiled_with()
     md = (tmp_path / "memory.md").read_text()
-    assert "| 1B | DP | v5e:8x8 | 64 | replica1×data1×fsdp64 | 1,300M | 9.5 | 16.0 | 41% | yes |" in md
+    assert ("| 1B | DP | v5e:8x8 | 64 | replica1×data1×fsdp64 | 1,300M | 9.5 | inner | 16.0 | 41% | yes | run |"
+            in md)
+    assert "| 35M | DP | v5e:2x2 | 4 | replica1×data1×fsdp4 | 35M | 1.5 | eval | 16.0 | 91% | inner+eval: yes | inner+eval |" in md
+    assert "Rows marked `run`: 1 of 2" in md and " ".join(C.TPU_OVERLAP_FLAGS) in md
+
+
+def test_compiled_with_names_the_flags_and_versions():
+    """`overlap flags` only when every project flag is in LIBTPU_INIT_ARGS; the versions are the installed ones."""
+    import importlib.metadata
+
+    import jax
+
+    tail = f"; jax {jax.__version__}, libtpu {importlib.metadata.version('libtpu') if importlib.util.find_spec('libtpu') else 'none'}"
+    assert C.compiled_with(list(C.TPU_OVERLAP_FLAGS)) == "run programs, overlap flags" + tail
+    assert C.compiled_with([]) == "run programs, no overlap flags" + tail
+    assert C.compiled_with(list(C.TPU_OVERLAP_FLAGS[1:])) == ("run programs, LIBTPU_INIT_ARGS="
+                                                             + " ".join(C.TPU_OVERLAP_FLAGS[1:]) + tail)
+    assert C.parse_peaks("inner=81.97; eval=25.8; step+send 3=80.9") == {"inner": 81.97, "eval": 25.8,
+                                                                           "step+send 3": 80.9}
+
+
+@needs_libtpu
+def test_table_programs_are_the_run_programs_of_the_largest_fragment():
+    """tiny Streaming (τ=1) on v5e:2x2: the exchange rides on the step (in_step on TPU), so a run executes
+    inner, step+send/send/update/merge of each fragment, and eval (4P + 2 programs); the table compiles
+    those of the largest fragment. DiLoCo (τ=0: blocking send) has no step+send; DP only inner and eval."""
+    import sys
+    sys.path.insert(0, "tests")
+    import numpy as np
+    from conftest import tiny_config
+
+    from diloco.trainer import Trainer
+
+    devs = C.tpu_devices("v5e:2x2")
+    tr = Trainer(tiny_config("streaming", codec="bf16", batch_size=8, tau=1, layers_per_fragment=1),
+                 devices=devs)
+    P, sizes = tr.driver.P, tr.sync.frags.sizes
+    big = int(np.argmax(sizes))
+    assert tr.driver.exchange == "in_step" and P >= 2 and len(set(sizes)) > 1
+    assert [n for n, _, _ in C.trainer_programs(tr)] == (
+        ["inner"] + [f"{k} {p}" for p in range(P) for k in ("step+send", "send", "update", "merge")] + ["eval"])
+    assert C.table_programs(tr) == ["inner", f"step+send {big}", f"send {big}", f"update {big}", f"merge {big}", "eval"]
+    dl = Trainer(tiny_config("diloco", batch_size=8), devices=devs)
+    assert dl.driver.exchange == "blocking" and C.table_programs(dl) == ["inner", "send 0", "update 0", "merge 0", "eval"]
+    dp = Trainer(tiny_config("dp", batch_size=8), devices=devs)
+    assert C.table_programs(dp) == ["inner", "eval"]
+
+
+def _committed_rows():
+    from pathlib import Path
+
+    return C.read_table(Path(__file__).parent.parent / "results" / "pod" / "memory.csv")
+
+
+def test_committed_memory_rows_are_consistent():
+    """Every row of results/pod/memory.csv records what it compiled; a row compiled with the run's programs
+    has its peak = the largest of its programs' peaks, named, headroom and fits decided on that peak
+    (≥10% of device HBM free), compiled with the overlap flags; a row from before (inner + eval, no
+    flags) is not shown as a run's fit in memory.md."""
+    from pathlib import Path
+
+    rows = _committed_rows()
+    assert len(rows) == len(C.PAPER_SCALES) * len(C.PAPER_METHODS) * len(C.SLICES)
+    md = (Path(__file__).parent.parent / "results" / "pod" / "memory.md").read_text()
+    for r in rows:
+        peaks = C.parse_peaks(r["program_peaks_gib"])
+        assert set(peaks) <= set(r["programs"].split(", ")) and {"inner", "eval"} <= set(peaks), r
+        top = max(peaks, key=peaks.get)
+        assert r["peak_program"] == top and float(r["peak_gib"]) == peaks[top], r
+        hbm = float(r["device_hbm_gib"])
+        assert float(r["headroom"]) == pytest.approx(1 - peaks[top] / hbm, abs=6e-4), r
+        assert (r["fits"] == "True") == (peaks[top] <= (1 - C.TABLE_HEADROOM) * hbm and set(peaks) == set(r["programs"].split(", "))), r
+        cell = f"| {r['scale']} | {r['method']} | {r['topology']} |"
+        line = next(x for x in md.splitlines() if x.startswith(cell))
+        if r["compiled_with"] == C.COMPILED_BEFORE:
+            assert r["programs"] == "inner, eval" and "| inner+eval: " in line and "| inner+eval |" in line, line
+        else:
+            assert r["compiled_with"].startswith("run programs, overlap flags; "), r
+            assert f"| {'yes' if r['fits'] == 'True' else 'NO'} | run |" in line, line
+
+
+@needs_libtpu
+def test_committed_memory_rows_compiled_every_program_of_the_run(shared_dir):
+    """The fit claimed for a row covers what a run executes: its programs are exactly `table_programs`
+    of the Trainer built for its config on its slice — each kind of program the run's Trainer has
+    (`trainer_programs`: Streaming's step+send, DiLoCo's whole-model send/update/merge), for the
+    largest fragment. (Building the Trainers compiles nothing.)"""
+    from diloco.config import validate
+    from diloco.trainer import Trainer
+
+    spm = str(shared_dir / "data" / "vocab" / "sentencepiece_cc_all.32000.100extra-sentencepiece.model")
+    run = [r for r in _committed_rows() if r["compiled_with"] != C.COMPILED_BEFORE]
+    assert run, "no row of results/pod/memory.csv is compiled with the run's programs"
+    seen = {}
+    for r in run:
+        if (r["scale"], r["method"]) not in seen:
+            cfg = C.paper_config(r["scale"], r["method"], spm)
+            R = 1 if cfg.method == "dp" else cfg.replicas
+            devs = C.tpu_devices(r["topology"])
+            cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
+            validate(cfg, check_data=False, num_devices=len(devs))
+            tr = Trainer(cfg, devices=devs)
+            every = [n for n, _, _ in C.trainer_programs(tr)]
+            seen[r["scale"], r["method"]] = C.table_programs(tr), {n.split(" ")[0] for n in every}
+        want, kinds = seen[r["scale"], r["method"]]
+        got = r["programs"].split(", ")
+        if r["fits"] == "True":
+            assert got == want, (r["scale"], r["method"], r["chip"], got, want)
+        assert {n.split(" ")[0] for n in want} == kinds
+        assert ("step+send" in kinds) == (r["method"] == "Streaming") and ("send" in kinds) == (r["method"] != "DP")
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_fresh_compile_of_a_memory_row_equals_the_committed_row(shared_dir, tmp_path):
+    """`diloco compile --paper-table` run afresh (its own process, so the overlap flags are set before
+    libtpu starts, as `diloco train` sets them) for 35M Streaming on v5e: the same slice, the same
+    programs (step+send included) and every program's peak equal to the committed row's to the
+    table's rounding (0.001 GiB)."""
+    import subprocess
+    import sys
+
+    spm = shared_dir / "data" / "vocab" / "sentencepiece_cc_all.32000.100extra-sentencepiece.model"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "LIBTPU_INIT_ARGS"}
+    out = subprocess.run([sys.executable, "-m", "diloco.cli", "compile", "--paper-table", "--out", str(tmp_path),
+                          "--scales", "35M", "--methods", "Streaming", "--chips", "v5e", "--spm", str(spm),
+                          "--cache", "none"], env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (fresh,) = C.read_table(tmp_path / "memory.csv")
+    (committed,) = [r for r in _committed_rows() if (r["scale"], r["method"], r["chip"]) == ("35M", "Streaming", "v5e")]
+    assert fresh["compiled_with"].startswith("run programs, overlap flags; ")
+    assert fresh["compiled_with"] == committed["compiled_with"]
+    assert any(p.startswith("step+send ") for p in fresh["programs"].split(", "))
+    for k in ("topology", "mesh", "programs", "peak_program", "fits"):
+        assert fresh[k] == committed[k], k
+    a, b = C.parse_peaks(fresh["program_peaks_gib"]), C.parse_peaks(committed["program_peaks_gib"])
+    assert a.keys() == b.keys() and all(abs(a[p] - b[p]) <= 0.001 for p in a), (a, b)
 
 
 # -- exchange=in_step: what the scheduled program runs under each collective (issue #15) ----------

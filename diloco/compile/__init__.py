@@ -5,6 +5,7 @@ project's own Trainer is built on those devices and each of its programs is lowe
 ahead of time with abstract arguments (nothing is allocated, no TPU is needed):
 
   inner           one AdamW step per replica (Trainer.inner_step)
+  step+send p     the inner step carrying fragment p's exchange (exchange=in_step, OuterDriver.step_program)
   send/update/merge p   every fragment's outer operations (OuterDriver.program)
   eval            the evaluation loss on θᵍ (Trainer.eval_fn)
 
@@ -21,21 +22,23 @@ package's interface (`from diloco.compile import …`, `diloco.compile.main`).
 
 from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, INSTALL_HINT, compile_one, compile_trainer, eval_batch_sharding,
                                 eval_param_sharding, model_flops_per_step, per_chip_bytes, report, text_report,
-                                tpu_devices)
+                                tpu_devices, trainer_programs)
 from diloco.compile.cli import main
 from diloco.compile.hlo import (annotate_overlap, computation_flops, entry_flops, hlo_computations, instruction_runs,
                                 op_flops, parse_collectives, scheduled_overlap, shape_bytes, slice_axes, while_trips)
 from diloco.compile.overlap import (CHIP_PEAK_TFLOPS, TPU_OVERLAP_FLAGS, exchange_collectives, overlap_report,
                                     overlapping, parse_bandwidth, predict_cu, use_tpu_overlap_flags)
-from diloco.compile.paper_table import (CSV_FIELDS, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES, TABLE_HEADROOM,
-                                        TABLE_MFU, compile_row, device_hbm, devices_per_chip, estimate_bytes,
-                                        paper_config, paper_table, paper_table_main, read_table, slice_devices,
-                                        table_row, write_table)
+from diloco.compile.paper_table import (COMPILED_BEFORE, CSV_FIELDS, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES,
+                                        TABLE_HEADROOM, TABLE_MFU, compile_row, compiled_with, device_hbm,
+                                        devices_per_chip, estimate_bytes, paper_config, paper_table, paper_table_main,
+                                        parse_peaks, read_table, slice_devices, table_programs, table_row,
+                                        write_table)
 
 __all__ = [
     # aot
     "CHIP_HBM_BYTES", "GiB", "INSTALL_HINT", "compile_one", "compile_trainer", "eval_batch_sharding",
     "eval_param_sharding", "model_flops_per_step", "per_chip_bytes", "report", "text_report", "tpu_devices",
+    "trainer_programs",
     # cli
     "main",
     # hlo
@@ -45,7 +48,8 @@ __all__ = [
     "CHIP_PEAK_TFLOPS", "TPU_OVERLAP_FLAGS", "exchange_collectives", "overlap_report", "overlapping",
     "parse_bandwidth", "predict_cu", "use_tpu_overlap_flags",
     # paper_table
-    "CSV_FIELDS", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM", "TABLE_MFU",
-    "compile_row", "device_hbm", "devices_per_chip", "estimate_bytes", "paper_config", "paper_table",
-    "paper_table_main", "read_table", "slice_devices", "table_row", "write_table",
+    "COMPILED_BEFORE", "CSV_FIELDS", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM",
+    "TABLE_MFU", "compile_row", "compiled_with", "device_hbm", "devices_per_chip", "estimate_bytes", "paper_config",
+    "paper_table", "paper_table_main", "parse_peaks", "read_table", "slice_devices", "table_programs", "table_row",
+    "write_table",
 ]

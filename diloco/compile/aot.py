@@ -88,17 +88,16 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
             "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
-def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | None = None) -> dict:
-    """Build the Trainer on `devices` and compile its programs (all, or those named in `only`; each one's
-    HLO text written under `hlo_dir` when given)."""
+def trainer_programs(tr) -> list[tuple]:
+    """Every program a run of `tr` executes, as (name, jitted, abstract arguments), in the order
+    `compile_trainer` compiles them: `inner`; per fragment p `step+send p` (exchange=in_step: the send
+    after step t rides on step t+1's program), `send p` (the blocking exchange; with in_step, the
+    deferred send a checkpoint or the end of the run settles), `update p`, `merge p`; then `eval`."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from diloco.trainer import Trainer
-
-    tr = Trainer(cfg, devices=devices)
-    mesh = tr.mesh
+    cfg, mesh = tr.cfg, tr.mesh
     repl = NamedSharding(mesh, P())
     state = tr.abstract_state()
     L = cfg.seq_len
@@ -119,13 +118,24 @@ def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | N
         state.params)
     ebatch = jax.ShapeDtypeStruct((cfg.batch_size // tr.R * tr.R, L), jnp.int32, sharding=eval_batch_sharding(tr))
     todo.append(("eval", tr.eval_fn(), (eparams, ebatch)))
+    return todo
+
+
+def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | None = None, tr=None) -> dict:
+    """Build the Trainer on `devices` (or take `tr`, built for `cfg`) and compile its programs (all,
+    or those named in `only`; each one's HLO text written under `hlo_dir` when given)."""
+    from diloco.trainer import Trainer
+
+    tr = Trainer(cfg, devices=devices) if tr is None else tr
+    todo = trainer_programs(tr)
+    state = todo[0][2][0]
     state_bytes = per_chip_bytes(state)
     eval_param_bytes = per_chip_bytes(todo[-1][2][0])
     out = []
     for name, fn, args in todo:
         if only is not None and name not in only:
             continue
-        r = compile_one(name, fn, args, mesh, hlo_dir)
+        r = compile_one(name, fn, args, tr.mesh, hlo_dir)
         if r["compiled"]:
             # programs run one after another while the whole state stays resident: eval's arguments
             # are only θᵍ, so the rest of the state is added to its peak.

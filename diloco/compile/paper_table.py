@@ -1,8 +1,11 @@
 """The per-device memory table at the paper's scales (`diloco compile --paper-table`): each (scale,
-method, chip) compiled on the smallest slice that fits with headroom, into results/pod/memory.csv/.md."""
+method, chip) compiled on the smallest slice that fits with headroom, into results/pod/memory.csv/.md.
+A row compiles every program a run of its method executes (`aot.trainer_programs`), with the TPU
+overlap flags `diloco train` sets (`overlap.use_tpu_overlap_flags`), and fits on the largest peak."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -10,8 +13,11 @@ import time
 
 import numpy as np
 
-from diloco.compile.aot import CHIP_HBM_BYTES, GiB, compile_trainer, model_flops_per_step, tpu_devices
+from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, compile_trainer, model_flops_per_step, tpu_devices,
+                                trainer_programs)
+from diloco.compile.overlap import TPU_OVERLAP_FLAGS, use_tpu_overlap_flags
 from diloco.errors import ConfigError
+from diloco.rundir import atomic_write_json, atomic_write_text, read_json
 
 PAPER_SCALES = ("35M", "100M", "200M", "300M", "500M", "1B", "4B", "10B")
 PAPER_METHODS = {"DP": "dp", "DiLoCo": "diloco_h30", "Streaming": "streaming_ovl_fp4_h100"}
@@ -25,7 +31,42 @@ TABLE_MFU = 0.4
 TABLE_HEADROOM = 0.10
 CSV_FIELDS = ("scale", "method", "chip", "topology", "chips", "devices", "mesh", "params", "global_batch",
               "seq_len", "scan", "remat", "attention", "device_hbm_gib", "state_gib", "inner_peak_gib", "eval_peak_gib", "peak_gib",
-              "headroom", "fits", "step_tflop", "step_seconds", "compile_seconds", "note")
+              "headroom", "fits", "step_tflop", "step_seconds", "compile_seconds", "note",
+              "programs", "program_peaks_gib", "peak_program", "compiled_with")
+# What the rows written before issue #25 compiled: the inner step and eval only, without the overlap flags.
+COMPILED_BEFORE = "inner+eval, no overlap flags (before #25)"
+
+
+def compiled_with(flags: list[str] | None = None) -> str:
+    """How this process compiles a row: every program a run executes, the LIBTPU_INIT_ARGS in effect
+    (`overlap flags` when every TPU_OVERLAP_FLAGS is there, as `diloco train` sets them) and the
+    jax/libtpu versions. Rows compiled otherwise are compiled again by `paper_table`."""
+    import importlib.metadata
+
+    import jax
+
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "").split() if flags is None else flags
+    extra = [f for f in flags if f not in TPU_OVERLAP_FLAGS]
+    how = ("overlap flags" if set(TPU_OVERLAP_FLAGS) <= set(flags) else "no overlap flags" if not flags else
+           "LIBTPU_INIT_ARGS=" + " ".join(flags))
+    if extra and how == "overlap flags":
+        how += " + " + " ".join(extra)
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = "none"
+    return f"run programs, {how}; jax {jax.__version__}, libtpu {libtpu}"
+
+
+def table_programs(tr) -> list[str]:
+    """The programs a row compiles: every program a run of `tr` executes (`trainer_programs`), those of
+    one fragment (step+send, send, update, merge) for the largest fragment only — the others are the
+    same programs moving fewer bytes."""
+    names = [name for name, _, _ in trainer_programs(tr)]
+    if tr.driver is None:
+        return names
+    big = str(int(np.argmax(tr.sync.frags.sizes)))
+    return [n for n in names if " " not in n or n.rsplit(" ", 1)[1] == big]
 
 
 def paper_config(scale: str, method: str, spm: str, seq_len: int = 2048):
@@ -65,11 +106,12 @@ def slice_devices(topology: str) -> int:
     return int(np.prod([int(x) for x in shape.split("x")])) * devices_per_chip(chip)
 
 
-def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None = None, log=None) -> dict:
-    """Compile inner + eval on the smallest slice of `chip` that fits with ≥10% headroom (or on
-    `topology`), FSDP over every device of a replica; the row of results/pod/memory.csv. The rough
-    estimate (`estimate_bytes`) only skips slices that cannot fit by a wide margin (2×); the rest are
-    compiled smallest first until one fits."""
+def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None = None, log=None,
+              cache: str | None = None) -> dict:
+    """Compile the run's programs (`table_programs`) on the smallest slice of `chip` that fits with ≥10%
+    headroom (or on `topology`), FSDP over every device of a replica; the row of results/pod/memory.csv.
+    The rough estimate (`estimate_bytes`) only skips slices that cannot fit by a wide margin (2×); the
+    rest are compiled smallest first until one fits (each slice's result kept under `cache`)."""
     cfg = paper_config(scale, method, spm)
     from diloco.model.scales import formula_params
 
@@ -88,7 +130,7 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
         todo = usable[first:]
     tried = []
     for topology in todo:
-        row = compile_row(cfg, scale, method, chip, topology, R, hbm)
+        row = compile_row(cfg, scale, method, chip, topology, R, hbm, cache)
         if row["fits"] or topology == todo[-1]:
             break
         tried.append(f"{topology} {row['peak_gib'] or 'did not compile'}")
@@ -99,34 +141,62 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
     return row
 
 
-def compile_row(cfg, scale, method, chip, topology, R, hbm) -> dict:
-    from diloco.config import validate
+def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = None) -> dict:
+    """One slice: inner and eval first; when they fit, the rest of the run's programs. The row's peak
+    is the largest of the programs compiled, and `fits` is decided on it. A result under `cache`
+    (keyed by the config, the slice and `compiled_with()`) is returned without compiling."""
+    from diloco.config import to_json, validate
+    from diloco.trainer import Trainer
 
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
     validate(cfg, check_data=False, num_devices=len(devices))
+    how = compiled_with()
+    key = hashlib.sha256(f"{to_json(cfg)}|{topology}|{how}".encode()).hexdigest()[:16]
+    where = os.path.join(cache, f"{scale}_{method}_{topology.replace(':', '-')}_{key}.json") if cache else None
+    if where and read_json(where) is not None:
+        return read_json(where)
     t0 = time.time()
-    got = compile_trainer(cfg, devices, {"inner", "eval"})
-    tr, progs = got["trainer"], {r["program"]: r for r in got["programs"]}
-    peak = lambda p: progs[p].get("peak_bytes_per_chip") if progs[p]["compiled"] else None
-    ip, ep = peak("inner"), peak("eval")
-    ok = ip is not None and ep is not None
-    worst = max(ip, ep) if ok else None
+    tr = Trainer(cfg, devices=devices)
+    names = table_programs(tr)
+    limit = (1 - TABLE_HEADROOM) * hbm
+    got = compile_trainer(cfg, devices, {"inner", "eval"}, tr=tr)
+    progs = {r["program"]: r for r in got["programs"]}
+    first = [progs[p].get("peak_bytes_per_chip") for p in ("inner", "eval")]
+    if all(b is not None and b <= limit for b in first):  # else the rest cannot make it fit
+        progs.update((r["program"], r) for r in compile_trainer(cfg, devices, set(names) - set(progs), tr=tr)["programs"])
+    peaks = {p: progs[p]["peak_bytes_per_chip"] for p in names if p in progs and progs[p]["compiled"]}
+    ok = len(peaks) == len(progs)
+    top = max(peaks, key=peaks.get) if peaks else ""
+    worst = peaks[top] if ok and peaks else None
+    gib = lambda b: round(b / GiB, 3) if b is not None else ""
     flops = model_flops_per_step(cfg, tr.n_params)
     chips = len(devices) // devices_per_chip(chip)
     note = "; ".join(f"{p}: {progs[p]['error'][:120]}" for p in progs if not progs[p]["compiled"])
-    return {"scale": scale, "method": method, "chip": chip, "topology": topology, "chips": chips,
-            "devices": len(devices), "mesh": "×".join(f"{k}{v}" for k, v in tr.mesh.shape.items()),
-            "params": tr.n_params, "global_batch": cfg.batch_size, "seq_len": cfg.seq_len,
-            "scan": tr.mcfg.scan, "remat": tr.mcfg.checkpoint_policy, "attention": tr.mcfg.attention,
-            "device_hbm_gib": round(hbm / GiB, 2), "state_gib": round(got["state_bytes_per_chip"] / GiB, 3),
-            "inner_peak_gib": round(ip / GiB, 3) if ip is not None else "",
-            "eval_peak_gib": round(ep / GiB, 3) if ep is not None else "",
-            "peak_gib": round(worst / GiB, 3) if ok else "", "headroom": round(1 - worst / hbm, 3) if ok else "",
-            "fits": bool(ok and worst <= (1 - TABLE_HEADROOM) * hbm),
-            "step_tflop": round(flops / 1e12, 1),
-            "step_seconds": round(flops / (chips * PEAK_FLOPS[chip] * TABLE_MFU), 3),
-            "compile_seconds": round(time.time() - t0, 1), "note": note}
+    if ok and len(progs) < len(names):
+        note = (note + "; " if note else "") + "inner/eval do not fit: the rest not compiled"
+    row = {"scale": scale, "method": method, "chip": chip, "topology": topology, "chips": chips,
+           "devices": len(devices), "mesh": "×".join(f"{k}{v}" for k, v in tr.mesh.shape.items()),
+           "params": tr.n_params, "global_batch": cfg.batch_size, "seq_len": cfg.seq_len,
+           "scan": tr.mcfg.scan, "remat": tr.mcfg.checkpoint_policy, "attention": tr.mcfg.attention,
+           "device_hbm_gib": round(hbm / GiB, 2), "state_gib": round(got["state_bytes_per_chip"] / GiB, 3),
+           "inner_peak_gib": gib(peaks.get("inner")), "eval_peak_gib": gib(peaks.get("eval")),
+           "peak_gib": gib(worst), "headroom": round(1 - worst / hbm, 3) if worst is not None else "",
+           "fits": bool(worst is not None and len(progs) == len(names) and worst <= limit),
+           "step_tflop": round(flops / 1e12, 1),
+           "step_seconds": round(flops / (chips * PEAK_FLOPS[chip] * TABLE_MFU), 3),
+           "compile_seconds": round(time.time() - t0, 1), "note": note,
+           "programs": ", ".join(p for p in names if p in progs),
+           "program_peaks_gib": "; ".join(f"{p}={gib(b)}" for p, b in peaks.items()),
+           "peak_program": top if worst is not None else "", "compiled_with": how}
+    if where:
+        atomic_write_json(where, row)
+    return row
+
+
+def parse_peaks(text: str) -> dict[str, float]:
+    """A row's `program_peaks_gib` ('inner=1.7; eval=1.4; …') as {program: GiB}."""
+    return {k: float(v) for k, v in (x.rsplit("=", 1) for x in str(text or "").split("; ") if x)}
 
 
 def device_hbm(chip: str) -> int:
@@ -143,47 +213,78 @@ def read_table(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def before(r: dict) -> dict:
+    """What a row written before #25 compiled (inner and eval, no flags), in the columns added since."""
+    if r.get("compiled_with") not in (None, "", COMPILED_BEFORE):
+        return {}
+    peaks = {p: float(r[f"{p}_peak_gib"]) for p in ("inner", "eval") if r.get(f"{p}_peak_gib") not in (None, "")}
+    return {"programs": "inner, eval", "program_peaks_gib": "; ".join(f"{p}={v:g}" for p, v in peaks.items()),
+            "peak_program": max(peaks, key=peaks.get) if peaks else "", "compiled_with": COMPILED_BEFORE}
+
+
 def write_table(rows: list[dict], out_dir: str) -> None:
     """results/pod/memory.csv (every row) and memory.md (the table, sorted by scale, method, chip)."""
     import csv
+    import io
 
     order = lambda r: (PAPER_SCALES.index(r["scale"]), list(PAPER_METHODS).index(r["method"]),
                        list(SLICES).index(r["chip"]))
-    rows = sorted(rows, key=order)
-    with open(os.path.join(out_dir, "memory.csv.tmp"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(os.path.join(out_dir, "memory.csv.tmp"), os.path.join(out_dir, "memory.csv"))
+    rows = sorted(({**r, **{k: v for k, v in before(r).items() if r.get(k) in (None, "")}} for r in rows), key=order)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\r\n")
+    w.writeheader()
+    w.writerows({k: r.get(k, "") for k in CSV_FIELDS} for r in rows)
+    atomic_write_text(os.path.join(out_dir, "memory.csv"), buf.getvalue())
+    new = sorted({r["compiled_with"] for r in rows} - {COMPILED_BEFORE})
+    n_new = sum(r["compiled_with"] != COMPILED_BEFORE for r in rows)
     lines = ["# Per-device memory at paper scale (`diloco compile --paper-table`)", "",
              f"Seq {rows[0]['seq_len'] if rows else 2048}, T5 32k vocabulary, the spec's global batch "
              "(experiments/common.py BATCH, same tokens per step at seq 2048), bf16 compute, fp32 params + AdamW; "
              "every spec default left on `auto` (blocks under nn.scan, remat full, Pallas splash attention on "
              "TPU); mesh data=1, fsdp = every device of a replica. The slice is the smallest of the chip that "
              "compiles with ≥10% headroom (smaller slices tried and failed are in the note). Compiled for the "
-             "TPU topology with libtpu on a CPU host: inner step and eval; peak = the larger of the two per "
-             "device (eval adds the rest of the resident state). Headroom = 1 − peak / device HBM. "
-             "TFLOP/step = model FLOPs (6·params + 12·layers·d_model·seq per token); "
-             f"step time = that / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
-             "v4: libtpu describes each chip as 2 devices of 16 GiB.", "",
-             "| scale | method | slice | chips | mesh | params | peak GiB/dev | HBM GiB | headroom | fits ≥10% | "
-             "TFLOP/step | step s | note |", "|" + "---|" * 13]
+             "TPU topology with libtpu on a CPU host.", "",
+             "**What is compiled** (column *compiled* = `run`): every program a run of the method executes "
+             "(`diloco.compile.aot.trainer_programs`, the list `diloco compile` compiles): DP `inner` and `eval`; "
+             "DiLoCo `inner`, the whole-model `send 0`, `update 0`, `merge 0` and `eval`; Streaming (exchange "
+             "in_step on TPU) `inner`, `step+send p` (the step that carries the exchange), `send p` (the deferred "
+             "send a checkpoint settles), `update p`, `merge p` and `eval`, the fragment programs for the largest "
+             "fragment p. Peak = the largest per-device peak of those programs (eval adds the rest of the resident "
+             "state), named in *peak program*; fits = peak ≤ 90% of device HBM. **With the flags a run sets**: "
+             "`LIBTPU_INIT_ARGS` = `" + " ".join(TPU_OVERLAP_FLAGS) + "` (`diloco.compile.use_tpu_overlap_flags`, "
+             "the call `diloco train` makes before libtpu starts). " + (f"Rows marked `run`: {n_new} of {len(rows)}, "
+             "compiled with " + " | ".join(f"`{h}`" for h in new) + "." if new else "")]
+    if n_new < len(rows):
+        lines += ["", f"Rows marked `inner+eval` ({len(rows) - n_new}) are from the earlier table: the inner step "
+                  "and eval only, compiled without the overlap flags; their fit is not a claim about a run "
+                  "(fits column `inner+eval: …`). Compile them with `diloco compile --paper-table --out "
+                  "results/pod` (rows already compiled as above are skipped)."]
+    lines += ["", "Headroom = 1 − peak / device HBM. TFLOP/step = model FLOPs (6·params + 12·layers·d_model·seq per "
+              f"token); step time = that / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
+              "v4: libtpu describes each chip as 2 devices of 16 GiB.", "",
+              "| scale | method | slice | chips | mesh | params | peak GiB/dev | peak program | HBM GiB | headroom | "
+              "fits ≥10% | compiled | TFLOP/step | step s | note |", "|" + "---|" * 15]
     for r in rows:
+        run = r["compiled_with"] != COMPILED_BEFORE
         hr = f"{float(r['headroom']):.0%}" if r["headroom"] not in ("", None) else "–"
+        fits = "yes" if str(r["fits"]) == "True" else "NO"
         lines.append(f"| {r['scale']} | {r['method']} | {r['topology']} | {r['chips']} | {r['mesh']} | "
-                     f"{int(r['params']) / 1e6:,.0f}M | {r['peak_gib'] or '–'} | {r['device_hbm_gib']} | {hr} | "
-                     f"{'yes' if str(r['fits']) == 'True' else 'NO'} | {r['step_tflop']} | {r['step_seconds'] or '–'} | "
+                     f"{int(r['params']) / 1e6:,.0f}M | {r['peak_gib'] or '–'} | {r.get('peak_program') or '–'} | "
+                     f"{r['device_hbm_gib']} | {hr} | {fits if run else 'inner+eval: ' + fits} | "
+                     f"{'run' if run else 'inner+eval'} | {r['step_tflop']} | {r['step_seconds'] or '–'} | "
                      f"{(r['note'] or '')[:80]} |")
-    with open(os.path.join(out_dir, "memory.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    atomic_write_text(os.path.join(out_dir, "memory.md"), "\n".join(lines) + "\n")
 
 
 def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER_METHODS), chips=tuple(SLICES),
-                log=print) -> list[dict]:
-    """Every (scale, method, chip) row, resumable: rows already in memory.csv are kept and skipped."""
+                log=print, cache: str | None = None) -> list[dict]:
+    """Every (scale, method, chip) row, resumable: rows in memory.csv compiled as this process compiles
+    (`compiled_with()`) are kept and skipped; the others are compiled again and replaced. Set the
+    flags (`use_tpu_overlap_flags`) before libtpu starts: `paper_table_main` does."""
     os.makedirs(out_dir, exist_ok=True)
     rows = read_table(os.path.join(out_dir, "memory.csv"))
-    done = {(r["scale"], r["method"], r["chip"]) for r in rows}
+    how = compiled_with()
+    done = {(r["scale"], r["method"], r["chip"]) for r in rows if r.get("compiled_with") == how}
     for scale in scales:
         for method in methods:
             for chip in chips:
@@ -191,9 +292,9 @@ def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER
                     continue
                 t0 = time.time()
                 log(f"{scale} {method} {chip} ...")
-                row = table_row(scale, method, chip, spm, log=log)
+                row = table_row(scale, method, chip, spm, log=log, cache=cache)
                 log(json.dumps(row) + f"  ({time.time() - t0:.0f} s)")
-                rows.append(row)
+                rows = [r for r in rows if (r["scale"], r["method"], r["chip"]) != (scale, method, chip)] + [row]
                 write_table(rows, out_dir)
     return rows
 
@@ -209,11 +310,25 @@ def paper_table_main(argv: list[str]) -> int:
     ap.add_argument("--spm", default=os.environ.get("DILOCO_SPM", "/work/shared/data/vocab/"
                                                     "sentencepiece_cc_all.32000.100extra-sentencepiece.model"),
                     help="the T5 SentencePiece model (only its size is used)")
+    ap.add_argument("--cache", default=None, help="keep each compiled slice's result here, so a rerun skips it "
+                    "(default $DILOCO_CACHE/paper_table; 'none': off)")
+    ap.add_argument("--no-overlap-flags", action="store_true",
+                    help="do not add the project's overlap flags to LIBTPU_INIT_ARGS (rows then say so)")
     args = ap.parse_args(argv)
+    if not args.no_overlap_flags:
+        use_tpu_overlap_flags()  # as `diloco train` does, before libtpu starts
+    cache = args.cache
+    if cache is None:
+        from diloco.data.batches import cache_dir
+
+        cache = os.fspath(cache_dir() / "paper_table") if cache_dir() is not None else None
+    elif cache.lower() in ("", "none", "off", "0"):
+        cache = None
     split = lambda s, allowed, field: [x for x in s.split(",") if x and (x in allowed or _bad(field, x, allowed))]
     try:
         rows = paper_table(args.out, args.spm, split(args.scales, PAPER_SCALES, "--scales"),
-                           split(args.methods, PAPER_METHODS, "--methods"), split(args.chips, SLICES, "--chips"))
+                           split(args.methods, PAPER_METHODS, "--methods"), split(args.chips, SLICES, "--chips"),
+                           cache=cache)
     except ConfigError as e:
         print(f"diloco compile: {e}", file=sys.stderr)
         return 2
