@@ -279,8 +279,9 @@ def write_table(rows: list[dict], out_dir: str) -> None:
 def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER_METHODS), chips=tuple(SLICES),
                 log=print, cache: str | None = None) -> list[dict]:
     """Every (scale, method, chip) row, resumable: rows in memory.csv compiled as this process compiles
-    (`compiled_with()`) are kept and skipped; the others are compiled again and replaced. Set the
-    flags (`use_tpu_overlap_flags`) before libtpu starts: `paper_table_main` does."""
+    (`compiled_with()`) are kept and skipped; the others are compiled again and replaced, each row
+    written as soon as it is done (memory.csv read again first: processes compiling other rows may
+    share it). Set the flags (`use_tpu_overlap_flags`) before libtpu starts: `paper_table_main` does."""
     os.makedirs(out_dir, exist_ok=True)
     rows = read_table(os.path.join(out_dir, "memory.csv"))
     how = compiled_with()
@@ -294,7 +295,9 @@ def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER
                 log(f"{scale} {method} {chip} ...")
                 row = table_row(scale, method, chip, spm, log=log, cache=cache)
                 log(json.dumps(row) + f"  ({time.time() - t0:.0f} s)")
-                rows = [r for r in rows if (r["scale"], r["method"], r["chip"]) != (scale, method, chip)] + [row]
+                # read again: another --paper-table process may have written rows since
+                rows = [r for r in read_table(os.path.join(out_dir, "memory.csv"))
+                        if (r["scale"], r["method"], r["chip"]) != (scale, method, chip)] + [row]
                 write_table(rows, out_dir)
     return rows
 
