@@ -141,6 +141,27 @@ def serve(port: int, journal: str) -> None:
         return create_file(self, bucket_name, file_name, content, file_obj, file_id)
 
     Storage.create_file = journaled
+
+    def with_generation(handler):
+        """Media downloads carry the object's generation in x-goog-generation, as GCS's do: tensorstore
+        (orbax's OCDBT) reads it and fails with "Malformed StorageGeneration" without it."""
+        def wrapped(request, response, storage, *args, **kwargs):
+            handler(request, response, storage, *args, **kwargs)
+            try:
+                obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            except Exception:  # no such object: the handler answered 404 already
+                return
+            if response.status.value < 300:
+                response["x-goog-generation"] = str(obj.get("generation", "1"))
+                response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
+        return wrapped
+
+    from gcp_storage_emulator.handlers import objects
+
+    for _, handlers in server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler in (objects.get, objects.download):
+                handlers[method] = with_generation(handler)
     import logging
 
     logging.getLogger().setLevel(logging.CRITICAL)
