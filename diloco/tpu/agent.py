@@ -145,6 +145,17 @@ def latest_go(layout: Layout, point: str) -> int:
     return max(ns, default=0)
 
 
+def load(p, default: Any = None) -> Any:
+    """read_json, again when a read raced a rewrite: gcsfs reads an object in ranges of the size it saw
+    first, so a file replaced meanwhile by a longer one reads torn (seen on the emulator)."""
+    for i in range(5):
+        try:
+            return read_json(p, default)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            time.sleep(0.1 * (i + 1))
+    return read_json(p, default)
+
+
 def read_text(p) -> str | None:
     p = path(p)
     try:
@@ -185,17 +196,17 @@ def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: f
         abort = read_text(att / "abort") if "abort" in files else None
         for h in all_hosts if lead else [me]:
             if f"{h}.json" in files:
-                exits[h] = read_json(att / f"{h}.json")
+                exits[h] = load(att / f"{h}.json")
             if f"{h}.start" in files:
                 starts.add(h)
     beats = {}
     for h in all_hosts if lead else [LEADER]:
-        b = read_json(layout.beat(h))
+        b = load(layout.beat(h))
         if b is not None:
             beats[h] = b
     summary = lead and path(point["workdir"]).joinpath("summary.json").exists()
     return PointView(tuple(all_hosts), go, abort, exits, frozenset(starts), beats, bool(summary),
-                     read_json(layout.status(name), {}) or {}, stop, now)
+                     load(layout.status(name), {}) or {}, stop, now)
 
 
 # -- the leader's decision (pure) ----------------------------------------------------------------------
@@ -426,7 +437,7 @@ class Agent:
         for pt in self.plan["points"]:
             if pt["name"] in self.final:
                 continue
-            if (read_json(self.L.status(pt["name"]), {}) or {}).get("state") in ("finished", "failed"):
+            if (load(self.L.status(pt["name"]), {}) or {}).get("state") in ("finished", "failed"):
                 self.final.add(pt["name"])
                 continue
             return pt
@@ -495,7 +506,7 @@ class Agent:
 
     def kill_orphan(self) -> None:
         """A child an earlier agent on this host started (the agent died, the VM did not): end it."""
-        rec = read_json(self.work / "child.json")
+        rec = load(self.work / "child.json")
         if not rec:
             return
         pid = int(rec["pid"])
@@ -583,7 +594,7 @@ class Agent:
         p = self.plan
         deadline = time.time() + float(p["lost_after_s"])
         while time.time() < deadline:
-            beats = [read_json(self.L.beat(h)) or {} for h in self.hosts]
+            beats = [load(self.L.beat(h)) or {} for h in self.hosts]
             if all(b.get("state") == "done" or age(b, time.time()) > float(p["lost_after_s"]) for b in beats):
                 break
             time.sleep(float(p["poll_s"]))

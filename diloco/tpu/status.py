@@ -19,26 +19,26 @@ import argparse
 import sys
 import time
 
-from diloco.rundir import path, read_json, read_jsonl
-from diloco.tpu.agent import LEADER, TIMING, Layout, age, fresh_reads, hosts, label, latest_go, names, read_text
+from diloco.rundir import path, read_jsonl
+from diloco.tpu.agent import LEADER, TIMING, Layout, age, fresh_reads, hosts, label, latest_go, load, names, read_text
 
 TAIL = 12  # log lines shown for a failed point
 
 
 def point_report(L: Layout, pt: dict, all_hosts: list[str]) -> dict:
     name = pt["name"]
-    st = read_json(L.status(name), {}) or {}
+    st = load(L.status(name), {}) or {}
     wd = path(pt["workdir"])
     n = latest_go(L, name)
     rep = {"name": name, "state": st.get("state") or ("running" if n else "waiting"), "attempt": n,
            "note": st.get("note", ""), "attempts": st.get("attempts", {})}
     if rep["state"] == "finished":
-        s = read_json(wd / "summary.json", {}) or {}
+        s = load(wd / "summary.json", {}) or {}
         rep.update(final_eval_loss=s.get("final_eval_loss"), params_sha256=s.get("params_sha256"))
     elif rep["state"] == "failed":
         rep["reason"] = st.get("reason", "")
         att = L.attempt(name, n)
-        exits = {h: read_json(att / f"{h}.json") for h in all_hosts if f"{h}.json" in names(att, "*.json")}
+        exits = {h: load(att / f"{h}.json") for h in all_hosts if f"{h}.json" in names(att, "*.json")}
         # the host whose failure ended the attempt: not one this agent killed after it, the earliest
         bad = sorted((e.get("killed", False), e.get("time", 0), h) for h, e in exits.items() if e.get("code") != 0)
         h = bad[0][2] if bad else all_hosts[0]
@@ -48,7 +48,7 @@ def point_report(L: Layout, pt: dict, all_hosts: list[str]) -> dict:
         rows = read_jsonl(wd / "metrics.jsonl")
         rep["last_row"] = rows[-1] if rows else None
         att = L.attempt(name, n)
-        exits = [read_json(att / f) for f in names(att, "*.json")]
+        exits = [load(att / f) for f in names(att, "*.json")]
         if len(exits) == len(all_hosts) and any(e.get("stopped") for e in exits):
             rep["state"] = "stopped"
     return rep
@@ -57,14 +57,14 @@ def point_report(L: Layout, pt: dict, all_hosts: list[str]) -> dict:
 def collect(base: str, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     L = Layout(base)
-    plan = read_json(L.base / "_launch" / "plan.json")
+    plan = load(L.base / "_launch" / "plan.json")
     if plan is None:
         raise SystemExit(f"diloco status: {L.base}/_launch/plan.json not found: is {base} a sweep's BASE (ROOT/SWEEP)?")
     all_hosts = hosts(plan)
     lost_after = float(plan.get("lost_after_s", TIMING["lost_after_s"]))
     host_rows = []
     for h in all_hosts:
-        b = read_json(L.beat(h))
+        b = load(L.beat(h))
         a = age(b, now)
         host_rows.append({"host": h, "label": label(h), "leader": h == LEADER, "beat": b, "age": a,
                           "lost_after": lost_after,
