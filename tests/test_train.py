@@ -546,3 +546,20 @@ print("ok")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_downstream_evaluation_during_training_and_at_the_end(tmp_path, shared_dir):
+    """README: `downstream.tasks` (and `downstream.every`) evaluate as training goes: a row in
+    downstream.jsonl at every `every` steps before the last, and the final scores in summary.json.
+    With `limit` 4 each accuracy is a multiple of 1/4 and its stderr lm-eval's √(acc(1−acc)/(n−1))."""
+    cfg = tiny_config("streaming", steps=6, **{"downstream.tasks": "piqa,arc_easy", "downstream.every": 3,
+                                                "downstream.limit": 4,
+                                                "downstream.data_dir": str(shared_dir / "data" / "eval")})
+    s = train(cfg, tmp_path, progress=False)
+    rows = [json.loads(l) for l in (tmp_path / "downstream.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [3]
+    for res in (rows[0], s["downstream"]):
+        for task in ("piqa", "arc_easy"):
+            r = res[task]
+            assert r["n"] == 4 and r["num_fewshot"] == 0 and 4 * r["acc"] == int(4 * r["acc"])
+            assert r["acc_stderr"] == pytest.approx((r["acc"] * (1 - r["acc"]) / 3) ** 0.5, abs=1e-12)
