@@ -1,12 +1,108 @@
 """Orbax checkpoints of the whole training state, with a JSON sidecar for the data position, the
-counters and a checksum of every array. The directory may be local or `gs://…` (an epath)."""
+counters, the code that wrote it and a checksum of every array. The directory may be local or
+`gs://…` (an epath).
+
+A checkpoint that cannot be restored is one of three things, and only the first is ever moved:
+  corrupt     checksum mismatch, truncated / missing / unparsable files → skipped, ckpt_corrupt/
+  mismatch    written for another state (a leaf added, removed, reshaped or retyped) → CheckpointMismatch
+  unreadable  the storage failed (OSError, a transient status) → retried with backoff, then CheckpointUnreadable
+"""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 import warnings
 from typing import Any
+
+
+class CheckpointError(Exception):
+    """A checkpoint exists that this run cannot use; nothing was moved. The message says what to do."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint was written for another state structure (another version of the code)."""
+
+
+class CheckpointUnreadable(CheckpointError):
+    """The storage failed to read a checkpoint, again after the retries."""
+
+
+class NoUsableCheckpoint(CheckpointError):
+    """Every checkpoint is corrupt."""
+
+
+class ChecksumMismatch(ValueError):
+    pass
+
+
+# Status names (absl / TensorStore / gRPC) of a failure of the storage rather than of the bytes stored.
+STORAGE_STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED",
+                  "UNAUTHENTICATED", "PERMISSION_DENIED", "INTERNAL", "UNKNOWN")
+# ... and of bytes that are not what was written: truncated, garbled, missing
+CORRUPT_STATUS = ("OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION", "NOT_FOUND", "INVALID_ARGUMENT")
+# orbax's own words when the saved tree is not the requested one (leaves compared first: state_mismatch)
+MISMATCH_WORDS = ("Structure mismatch", "tree structures do not match", "is not compatible with the stored shape")
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def classify(e: BaseException) -> str:
+    """"mismatch", "corrupt" or "unreadable" (the storage failed, or a failure not known to be corruption:
+    retried, then the run stops with nothing moved) for an exception raised while restoring."""
+    chain = list(_chain(e))
+    texts = [str(x) for x in chain]
+    if any(w in t for w in MISMATCH_WORDS for t in texts):
+        return "mismatch"
+    if any(t.startswith(c + ":") for c in STORAGE_STATUS for t in texts):
+        return "unreadable"
+    for x in chain:
+        if isinstance(x, (ChecksumMismatch, json.JSONDecodeError, FileNotFoundError, NotADirectoryError,
+                          IsADirectoryError)):
+            return "corrupt"
+        if isinstance(x, OSError):
+            return "unreadable"
+    if any(t.startswith(c + ":") for c in CORRUPT_STATUS for t in texts):
+        return "corrupt"
+    return "unreadable"
+
+
+def leaf_names(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{dotted path, as orbax names a leaf (opt.1.0.mu.embed): (shape, dtype)} of a state or its metadata."""
+    import jax
+
+    def key(k):
+        return str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+
+    return {".".join(key(k) for k in path): (tuple(x.shape), str(x.dtype))
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
+
+
+def state_mismatch(saved: dict, wanted: dict, shown: int = 3) -> str | None:
+    """What differs between a checkpoint's leaves and the state's (leaf_names of each), first leaves
+    first, in one line; None when every leaf matches in name, shape and dtype."""
+    def listed(names):
+        return ", ".join(names[:shown]) + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
+
+    def typed(v):
+        return f"{v[1]}[{','.join(map(str, v[0]))}]"
+
+    parts = []
+    if new := sorted(set(wanted) - set(saved)):
+        parts.append(f"the state has {listed(new)} that the checkpoint lacks")
+    if gone := sorted(set(saved) - set(wanted)):
+        parts.append(f"the checkpoint has {listed(gone)} that the state lacks")
+    if changed := [k for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]:
+        parts.append(listed([f"{k} is {typed(saved[k])} in the checkpoint, {typed(wanted[k])} in the state"
+                             for k in changed]))
+    return "; ".join(parts) or None
 
 
 def state_checksum(state) -> list[int]:
@@ -51,7 +147,9 @@ def use_client_barriers() -> None:
 
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints in `directory` (a run's ckpt/); restores the newest readable one."""
+    """Keeps the last `keep` checkpoints in `directory` (a run's ckpt/); restores the newest usable one."""
+
+    RETRIES, BACKOFF_S = 4, 2.0  # a failed read is tried again after 2, 4, 8, 16 s
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
         import jax
@@ -65,39 +163,106 @@ class Checkpointer:
             use_client_barriers()
         self.mngr = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                           enable_async_checkpointing=False))
+                                                           enable_async_checkpointing=False),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     def steps(self) -> list[int]:
         return sorted(self.mngr.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Orbax writes into a tmp dir and renames it when complete; the sidecar carries a checksum."""
+        """Orbax writes into a tmp dir and renames it when complete; the sidecar carries a checksum and
+        the code that wrote it (diloco version, git commit)."""
+        from diloco.rundir import code_version
+
         ocp = self._ocp
-        meta = {**meta, "state_checksum": state_checksum(state)}
+        meta = {**meta, "state_checksum": state_checksum(state), "code": code_version()}
         self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)), force=True)
         self.mngr.wait_until_finished()
 
     def restore(self, abstract_state, quarantine: bool = False) -> tuple[int, Any, dict] | None:
-        """Newest checkpoint that restores cleanly and matches its checksum; a corrupt one is skipped
-        with a warning and, with `quarantine` (the trainer), moved to ckpt_corrupt/ so that the step
-        can be saved again and never shadows good checkpoints in max_to_keep."""
-        ocp = self._ocp
+        """(step, state, sidecar) of the newest checkpoint that restores and matches its checksum; None
+        when there is none. A corrupt one is skipped with a warning and, with `quarantine` (the trainer)
+        and once a usable one is found, moved to ckpt_corrupt/ so that the step can be saved again and
+        never shadows good checkpoints in max_to_keep. Raises, with nothing moved: CheckpointMismatch
+        (written for another state), CheckpointUnreadable (the storage failed, again after the retries),
+        NoUsableCheckpoint (every checkpoint is corrupt)."""
+        corrupt = []
         for step in reversed(self.steps()):
             try:
+                got = self._read(step, abstract_state)
+            except _Corrupt as e:
+                warnings.warn(f"checkpoint at step {step} in {self.dir} is unreadable ({e}); "
+                              "falling back to the previous one")
+                corrupt.append(step)
+                continue
+            if quarantine:
+                for s in corrupt:
+                    self._quarantine(s)
+            return got
+        if corrupt:
+            raise NoUsableCheckpoint(
+                f"every checkpoint in {self.dir} is corrupt (steps {sorted(corrupt)}); nothing was moved. "
+                "Start over with --fresh (sets them aside, starts from step 0) or use a new --workdir")
+        return None
+
+    def _read(self, step: int, abstract_state) -> tuple[int, Any, dict]:
+        """One checkpoint, its failures classified (classify); a storage failure is tried again."""
+        ocp = self._ocp
+        for attempt in range(self.RETRIES + 1):
+            try:
+                self._check_structure(step, abstract_state)
                 out = self.mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
                 meta = dict(out["meta"])
                 want = meta.get("state_checksum")
                 if want is not None and want != state_checksum(out["state"]):
-                    raise ValueError("restored arrays do not match the checksum saved with them")
+                    raise ChecksumMismatch("restored arrays do not match the checksum saved with them")
                 return step, out["state"], meta
-            except Exception as e:  # truncated / corrupt / missing files, flipped bytes
-                warnings.warn(f"checkpoint at step {step} in {self.dir} is unreadable ({type(e).__name__}: "
-                              f"{str(e)[:200]}); falling back to the previous one")
-                if quarantine:
-                    self._quarantine(step)
-        return None
+            except CheckpointMismatch:
+                raise
+            except Exception as e:
+                kind, why = classify(e), f"{type(e).__name__}: {str(e)[:200]}"
+                if kind == "mismatch":
+                    raise self._mismatch(step, why) from e
+                if kind == "corrupt":
+                    raise _Corrupt(why) from e
+                if attempt == self.RETRIES:
+                    raise CheckpointUnreadable(
+                        f"checkpoint at step {step} in {self.dir} could not be read {attempt + 1} times ({why}); "
+                        "nothing was moved. Check the storage and run the same command again") from e
+                wait = self.BACKOFF_S * 2 ** attempt
+                warnings.warn(f"checkpoint at step {step} in {self.dir}: reading failed ({why}); "
+                              f"trying again in {wait:g} s")
+                time.sleep(wait)
+                self.mngr.reload()
+        raise AssertionError("unreachable")
+
+    def _check_structure(self, step: int, abstract_state) -> None:
+        """The saved leaves against the state's, from orbax's metadata (no array read): a changed dtype
+        would otherwise be cast silently and then fail the checksum, as if the bytes were corrupt."""
+        md = self.mngr.item_metadata(step)
+        saved = md.get("state") if md is not None and hasattr(md, "get") else None
+        names = leaf_names(saved) if saved is not None else {}
+        if names:  # no metadata: the restore itself finds what is wrong
+            diff = state_mismatch(names, leaf_names(abstract_state))
+            if diff:
+                raise self._mismatch(step, diff)
+
+    def _mismatch(self, step: int, diff: str) -> CheckpointMismatch:
+        code = {}
+        try:
+            code = dict(self.mngr.restore(step, args=self._ocp.args.Composite(
+                meta=self._ocp.args.JsonRestore()))["meta"]).get("code") or {}
+        except Exception:  # a sidecar that cannot be read only loses the hint
+            pass
+        by = (f"diloco {code.get('diloco', '?')} at commit {code.get('commit') or 'unknown'}" if code
+              else "an older version of diloco (before checkpoints recorded their commit)")
+        how = f"git checkout {code['commit'].removesuffix('-dirty')}, " if code.get("commit") else ""
+        return CheckpointMismatch(
+            f"checkpoint at step {step} in {self.dir} was written by {by} for another training state: {diff}. "
+            f"Nothing was moved. Resume it with the code that wrote it ({how}same command), or start over "
+            "with --fresh (sets the checkpoints aside) or a new --workdir")
 
     def _quarantine(self, step: int) -> None:
         import jax
@@ -111,3 +276,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self.mngr.close()
+
+
+class _Corrupt(Exception):
+    """Inside Checkpointer.restore: this checkpoint's bytes are damaged (skip it)."""

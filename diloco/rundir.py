@@ -13,10 +13,12 @@ by itself. Readers never see half a file.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import tempfile
+import time
 from typing import Any, Iterable
 
 from etils import epath
@@ -155,6 +157,29 @@ def versions() -> dict:
             "devices": jax.device_count()}
 
 
+@functools.cache
+def code_version() -> dict:
+    """{diloco: version, commit: git HEAD of the checkout the package runs from (+"-dirty" when tracked
+    files differ from it), or None outside a git checkout} — recorded beside every checkpoint."""
+    import subprocess
+
+    from diloco import __version__
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*a) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if sha and git("status", "--porcelain", "--untracked-files=no"):
+        sha += "-dirty"
+    return {"diloco": __version__, "commit": sha}
+
+
 class RunDir:
     """One run's folder. `primary=False` (every process but 0 of a multi-process run) writes nothing."""
 
@@ -183,6 +208,20 @@ class RunDir:
                               "or delete it (diff the two config.json files to see what changed)")
         if self.primary:
             atomic_write_text(self / "config.json", cfg_json)
+
+    def set_aside(self) -> epath.Path | None:
+        """Move ckpt/ and the run's records (metrics.jsonl, downstream.jsonl, summary.json, tb/, timeline/)
+        into set_aside/<unix time>/ (a fresh start keeps what was there); the folder, or None if nothing was."""
+        names = [n for n in ("ckpt", "metrics.jsonl", "downstream.jsonl", "summary.json", "tb", "timeline")
+                 if (self / n).exists()]
+        if not names or names == ["ckpt"] and not any((self / "ckpt").iterdir()):
+            return None
+        aside = self / "set_aside" / str(int(time.time()))
+        if self.primary:
+            aside.mkdir(parents=True, exist_ok=True)
+            for n in names:
+                (self / n).rename(aside / n)
+        return aside
 
     def resume_records(self, step: int) -> None:
         if self.primary:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from diloco.checkpoint import CheckpointError
 from diloco.errors import ConfigError
 from diloco.faults import NumericalFault
 
@@ -110,7 +111,7 @@ class LossWindow:
 class Run:
     """One run (or its resumption): what the loop needs between steps, in one place."""
 
-    def __init__(self, cfg, workdir, progress: bool = True):
+    def __init__(self, cfg, workdir, progress: bool = True, fresh: bool = False):
         import jax
 
         from diloco import distributed as dist
@@ -119,7 +120,7 @@ class Run:
         from diloco.data import HostBatches, eval_batches
         from diloco.faults import Faults
         from diloco.rundir import RunDir, is_remote, require
-        from diloco.trainer import Trainer
+        from diloco.trainer import Trainer, check_fits_host
 
         from diloco.compile import use_tpu_overlap_flags
 
@@ -129,9 +130,18 @@ class Run:
         dist.check_processes(1 if cfg.method == "dp" else cfg.replicas)
         validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))
         self.cfg, self.dist = cfg, dist
-        self.run = RunDir(require(workdir, "workdir"), primary=dist.is_primary())
+        workdir = require(workdir, "workdir")
+        self.tr = tr = Trainer(cfg, devices=dist.compute_devices(), comm_devices=dist.comm_devices())
+        check_fits_host(tr)  # on CPU: a state bigger than this host's memory is refused, nothing allocated
+        self.run = RunDir(workdir, primary=dist.is_primary())
         self.run.make()
         self.run.claim(to_json(cfg))
+        if fresh:  # the previous checkpoints and records are kept, out of the way, never deleted
+            aside = self.run.set_aside()
+            dist.allgather(np.int32(0))  # every process waits for process 0's move before reading ckpt/
+            if aside is not None and dist.is_primary():
+                print(f"diloco train: --fresh: the previous checkpoints and records are now in {aside}; "
+                      "starting from step 0", file=sys.stderr)
         self.timeline = None
         # steps, exchanges, waits: per-process files appended line by line, so only in a local run folder
         if (self.multi or os.environ.get("DILOCO_TIMELINE") == "1") and not is_remote(self.run.root):
@@ -139,11 +149,15 @@ class Run:
 
             self.timeline = Timeline(os.fspath(self.run / "timeline" / f"rank{jax.process_index()}.jsonl"),
                                      jax.process_index(), resume=True)
-        self.tr = tr = Trainer(cfg, devices=dist.compute_devices(), comm_devices=dist.comm_devices(),
-                               timeline=self.timeline)
+            if tr.overlap is not None:
+                tr.overlap.timeline = self.timeline
         self.faults = Faults(cfg, tr.R)
         self.ck = Checkpointer(self.run.ckpt, cfg.keep_checkpoints)
-        got = self.ck.restore(tr.abstract_state(), quarantine=True)
+        try:  # a checkpoint this run cannot use stops it (CheckpointError), unless --fresh set it aside
+            got = self.ck.restore(tr.abstract_state(), quarantine=True)
+        except BaseException:
+            self.ck.close()
+            raise
         # Each process reads only the blocks of the global batch its devices hold (diloco/data/batches.py).
         readers = int(cfg.get("data_readers", 0)) or dist.num_processes()
         self.batch_shape = (tr.R, cfg.batch_size // tr.R, cfg.seq_len)
@@ -350,11 +364,14 @@ class Run:
                 f"tokens read {tokens:,}")
 
 
-def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: int | None = None) -> dict:
+def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: int | None = None,
+          fresh: bool = False) -> dict:
     """Run (or resume) one training run; returns the summary.
 
-    `stop_after=k` behaves as if SIGTERM arrived during step k (tests of the preemption path)."""
-    return Run(cfg, workdir, progress).train(stop_after)
+    A checkpoint in `workdir` that cannot be used raises diloco.checkpoint.CheckpointError (nothing is
+    moved); `fresh=True` sets the folder's checkpoints and records aside (RunDir.set_aside) and starts
+    from step 0. `stop_after=k` behaves as if SIGTERM arrived during step k (tests of the preemption path)."""
+    return Run(cfg, workdir, progress, fresh).train(stop_after)
 
 
 def progress_bar(start: int, total: int, enabled: bool):
@@ -369,10 +386,19 @@ def downstream_due(cfg, t: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="diloco train", description="Train one run (resumes if DIR has a checkpoint).")
+    ap = argparse.ArgumentParser(
+        prog="diloco train", description="Train one run (resumes if DIR has a checkpoint).",
+        epilog="Exit codes: 0 done; 2 bad input (including a run too big for this host's memory on CPU); "
+               "3 numerical fault; 4 a checkpoint in --workdir that cannot be used (written for another "
+               "state, unreadable storage, or all corrupt: nothing is moved; see --fresh); 130 interrupted "
+               "(a checkpoint was saved: run the same command to resume). docs/reliability.md")
     ap.add_argument("--config", required=True, help="experiments/<file>.py[:arg], e.g. experiments/toy.py:streaming")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--no_progress", action="store_true")
+    ap.add_argument("--fresh", action="store_true",
+                    help="start from step 0 even though --workdir holds checkpoints: they and the run's records "
+                         "(metrics.jsonl, downstream.jsonl, summary.json) are moved to DIR/set_aside/<time>/, "
+                         "never deleted. Without it a run resumes, or stops (exit 4) at checkpoints it cannot use")
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
     from diloco.interrupt import prompt_exit, train_lines
@@ -382,10 +408,13 @@ def main(argv: list[str]) -> int:
         require(args.workdir, "workdir")  # a gs:// folder without the filesystem installed: one line, now
         with prompt_exit(*train_lines(args.workdir)):
             cfg = load_config(args.config, overrides)
-            summary = train(cfg, args.workdir, progress=not args.no_progress)
+            summary = train(cfg, args.workdir, progress=not args.no_progress, fresh=args.fresh)
     except ConfigError as e:
         print(f"diloco train: bad input: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"diloco train: {e}", file=sys.stderr)
+        return 4
     except NumericalFault as e:
         print(f"diloco train: {e}", file=sys.stderr)
         return 3

@@ -290,3 +290,97 @@ def test_exchange_in_step_needs_tau_at_least_one():
         tiny_config("streaming", tau=0, exchange="in_step")
     with pytest.raises(ConfigError, match=r"exchange.*not one of"):
         tiny_config("streaming", exchange="fused")
+
+
+# -- a run too big for this host's memory (CPU backend) -------------------------------------------------
+def test_state_bytes_by_hand_and_the_refusal_at_the_memory_available(monkeypatch):
+    """tiny DiLoCo, M=2: 4 bytes × n × (3 per replica: params, AdamW mu, nu + 3 outer: θᵍ, momentum, pending Δ)
+    plus the int32 counters (AdamW and schedule counts per replica, the step); refused at one byte less."""
+    from diloco import trainer as T
+
+    tr = T.Trainer(tiny_config("diloco", replicas=2))
+    n, R = tr.n_params, 2
+    counters = 4 * (2 * R + 1)
+    need = T.state_bytes(tr)
+    assert need == 4 * n * (3 * R + 3) + counters, (need, n)
+    monkeypatch.setattr(T, "host_memory_available", lambda: (need, "MemAvailable"))
+    T.check_fits_host(tr)  # exactly enough: allowed
+    monkeypatch.setattr(T, "host_memory_available", lambda: (need - 1, "MemAvailable"))
+    with pytest.raises(ConfigError) as e:
+        T.check_fits_host(tr)
+    gib = need / 2**30
+    assert e.value.field == "scale" and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"scale: a tiny diloco run's training state alone is {gib:.1f} GiB (parameters "
+                                   f"and AdamW moments of 2 replicas, outer θᵍ, momentum and pending Δ; {n:,} "
+                                   f"parameters) but this host has {gib:.1f} GiB available (MemAvailable)")
+    assert "diloco compile --config" in str(e.value)
+
+
+def test_host_memory_available_reads_meminfo_and_a_cgroup_limit(monkeypatch, tmp_path):
+    from diloco import trainer as T
+
+    files = {"/proc/meminfo": "MemTotal: 24683652 kB\nMemAvailable: 17217240 kB\n",
+             "/sys/fs/cgroup/memory/memory.limit_in_bytes": str(8 * 2**30),
+             "/sys/fs/cgroup/memory/memory.usage_in_bytes": str(7 * 2**30),
+             "/sys/fs/cgroup/memory/memory.stat": f"cache 5\ntotal_inactive_file {2**29}\n"}
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        if path in files:
+            (tmp_path / "f").write_text(files[path])
+            return real_open(tmp_path / "f", *a, **k)
+        if str(path).startswith(("/proc/", "/sys/")):
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **k)
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert T.host_memory_available() == (2**30 + 2**29, "cgroup limit 8.0 GiB less its usage")
+    files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = "9223372036854771712"  # no limit
+    assert T.host_memory_available() == (17217240 * 1024, "MemAvailable")
+
+
+def test_a_paper_scale_on_cpu_is_refused_before_anything_is_allocated(tmp_path):
+    """`diloco train … --config.scale=10B` on a CPU host: exit 2, one line with the estimate, the memory
+    available and the pointer to `diloco compile`; the process never grew (nothing allocated) and no
+    run folder was made."""
+    import subprocess
+    import sys
+
+    wd = tmp_path / "run"
+    code = ("import resource, sys\nfrom diloco.cli import run\n"
+            f"rc = run(['train', '--config', 'experiments/toy.py:streaming', '--workdir', {str(wd)!r}, "
+            "'--config.scale=10B', '--no_progress'])\n"
+            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).resolve().parents[1])
+    lines = [l for l in r.stderr.splitlines() if l.startswith(("diloco", "maxrss_kb"))]
+    assert r.returncode == 2 and len(lines) == 2, r.stderr[-3000:]
+    assert re.fullmatch(r"diloco train: bad input: scale: a 10B streaming run's training state alone is "
+                        r"\d+\.\d GiB \(parameters and AdamW moments of 2 replicas, outer θᵍ, momentum and "
+                        r"pending Δ; [\d,]+ parameters\) but this host has \d+\.\d GiB available \(.*\); on CPU "
+                        r"use a smaller scale .*`diloco compile --config … --topology v5p:2x2x2` reports the "
+                        r"per-chip memory", lines[0]), lines[0]
+    need_gib = float(re.search(r"alone is (\d+\.\d) GiB", lines[0]).group(1))
+    assert need_gib > 300  # ≈ 10e9 parameters × 4 bytes × 9 copies
+    assert int(lines[1].split()[1]) < 2 * 2**20  # peak RSS under 2 GiB: the state was never allocated
+    assert not wd.exists()
+
+
+def test_importing_the_library_after_jax_is_as_quiet_as_the_cli():
+    """With libtpu installed and no TPU here, `import jax` then `from diloco.trainer import Trainer` (a
+    notebook's order) must not bring libtpu's "could not determine TPU accelerator type" block."""
+    import glob
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu not installed (pip install -e '.[tpu]'): nothing would print the block")
+    if any(glob.glob(p) for p in ("/dev/accel*", "/dev/vfio/[0-9]*")):
+        pytest.skip("this machine has a TPU: libtpu is meant to start here")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
+    for order in ("import jax\nfrom diloco.trainer import Trainer", "from diloco.trainer import Trainer\nimport jax"):
+        r = subprocess.run([sys.executable, "-c", order + "\nimport jax.numpy as jnp\nprint(jnp.ones(2).sum(), "
+                            "jax.devices()[0].platform)"], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0 and r.stdout.split() == ["2.0", "cpu"], r.stderr[-2000:]
+        assert "TPU" not in r.stderr and "libtpu" not in r.stderr, r.stderr[-2000:]

@@ -4,6 +4,7 @@ atomicity and corruption fallback, numerical faults, replica faults, atomic run 
 Fast by default; the real-subprocess kill/resume matrix is `@pytest.mark.slow` (`pytest -m slow`)."""
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -20,16 +21,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 
 from conftest import REPO, tiny_config
-from diloco.checkpoint import Checkpointer, state_checksum
+from diloco.checkpoint import (CheckpointMismatch, CheckpointUnreadable, Checkpointer, NoUsableCheckpoint, classify,
+                               state_checksum, state_mismatch)
+from diloco.rundir import code_version
 from diloco.rundir import atomic_write_json
 from diloco.faults import Faults, NumericalFault
 from diloco.rundir import truncate_jsonl
 from diloco.train import train
 from diloco.trainer import Trainer, load_run
 
-TIMING = ("seconds", "tokens_per_s")  # the only metrics fields allowed to differ between two runs
+TIMING = ("seconds", "tokens_per_s")
+CLI_TINY = {"scale": "tiny", "seq_len": 32, "batch_size": 4, "steps": 6, "log_every": 2, "eval_every": 3,
+            "eval_batches": 1, "checkpoint_every": 3, "optimizer.warmup_steps": 2, "H": 3}  # the only metrics fields allowed to differ between two runs
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,8 +125,10 @@ def test_flipped_bytes_are_caught_by_the_checksum_not_by_orbax(tmp_path):
                                                          meta=ck._ocp.args.JsonRestore()))
     assert state_checksum(out["state"]) != out["meta"]["state_checksum"]
     ck.close()
-    _, got, msgs = restore(w, abstract)
-    assert got is None and any("checksum" in m for m in msgs), msgs
+    with warnings.catch_warnings(record=True) as ws, pytest.raises(NoUsableCheckpoint):
+        warnings.simplefilter("always")
+        Checkpointer(w / "ckpt", 3).restore(abstract)
+    assert any("do not match the checksum" in str(m.message) for m in ws), [str(m.message) for m in ws]
 
 
 def test_checksum_sees_one_changed_word_in_any_leaf():
@@ -147,13 +155,168 @@ def test_interrupted_save_leaves_only_a_tmp_dir_that_is_ignored_and_overwritten(
     assert got[0] == 9 and float(got[1]["params"]["w"][1]) == 9.0
 
 
-def test_all_checkpoints_corrupt_means_a_fresh_start_not_a_crash(tmp_path):
+def test_all_checkpoints_corrupt_stops_the_run_and_moves_nothing(tmp_path):
+    """Resume never silently means start over: with every checkpoint corrupt the restore raises (the
+    CLI exits 4) and the checkpoints stay where they are until --fresh sets them aside."""
     w, abstract = saved_run(tmp_path)
     for s in (3, 6):
         CORRUPTIONS["missing_array_metadata"](w / "ckpt" / str(s))
-    ck, got, msgs = restore(w, abstract, quarantine=True)
-    assert got is None and sum("is unreadable" in m for m in msgs) == 2 and ck.steps() == []
+    ck = Checkpointer(w / "ckpt", 3)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        with pytest.raises(NoUsableCheckpoint, match=r"every checkpoint in .* is corrupt \(steps \[3, 6\]\); "
+                                                     r"nothing was moved.*--fresh"):
+            ck.restore(abstract, quarantine=True)
+    assert sum("is unreadable" in str(m.message) for m in ws) == 2
+    assert ck.steps() == [3, 6] and ckpt_steps(w) == [3, 6] and not (w / "ckpt_corrupt").exists()
     ck.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# a good checkpoint is never thrown away: another state structure, a storage error
+def with_leaf(tree, name: str, leaf) -> dict:
+    return {**tree, "params": {**tree["params"], name: leaf}}
+
+
+@pytest.mark.parametrize("change,named", [
+    ("gained", "the state has params.c that the checkpoint lacks"),
+    ("lost", "the checkpoint has params.b that the state lacks"),
+    ("shape", "params.w is float32[4096] in the checkpoint, float32[4097] in the state"),
+    ("dtype", "params.b is bfloat16[7] in the checkpoint, float32[7] in the state"),  # orbax would cast it
+])
+def test_a_checkpoint_of_another_state_stops_naming_what_differs_and_moves_nothing(tmp_path, change, named):
+    w, abstract = saved_run(tmp_path)
+    changed = {"gained": lambda a: with_leaf(a, "c", jax.ShapeDtypeStruct((3,), jnp.float32)),
+               "lost": lambda a: {**a, "params": {"w": a["params"]["w"]}},
+               "shape": lambda a: with_leaf(a, "w", jax.ShapeDtypeStruct((4097,), jnp.float32)),
+               "dtype": lambda a: with_leaf(a, "b", jax.ShapeDtypeStruct((7,), jnp.float32))}[change](abstract)
+    ck = Checkpointer(w / "ckpt", 3)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointMismatch) as e:
+            ck.restore(changed, quarantine=True)
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint at step 6 in {w / 'ckpt'} was written by diloco ") and named in msg, msg
+    commit = code_version()["commit"]
+    assert commit and f"at commit {commit}" in msg and f"git checkout {commit.removesuffix('-dirty')}" in msg
+    assert "Nothing was moved" in msg and "--fresh" in msg and "\n" not in msg and not ws
+    assert ckpt_steps(w) == [3, 6] and not (w / "ckpt_corrupt").exists()
+    assert ck.restore(abstract, quarantine=True)[0] == 6  # the same checkpoint, for the state it was written for
+    ck.close()
+
+
+def test_state_mismatch_lists_the_first_differing_leaves():
+    saved = {f"p.{i}": ((2,), "float32") for i in range(5)}
+    assert state_mismatch(saved, dict(saved)) is None
+    wanted = {**{k: v for k, v in saved.items() if k != "p.0"}, "p.3": ((3,), "float32"),
+              **{f"q.{i}": ((), "int32") for i in range(5)}}
+    assert state_mismatch(saved, wanted) == (
+        "the state has q.0, q.1, q.2 (+2 more) that the checkpoint lacks; the checkpoint has p.0 that the "
+        "state lacks; p.3 is float32[2] in the checkpoint, float32[3] in the state")
+
+
+@pytest.mark.parametrize("exc,kind", [
+    (ValueError("OUT_OF_RANGE: Error reading \"params.w/0\" in OCDBT database: Requested byte range"), "corrupt"),
+    (ValueError("FAILED_PRECONDITION: Error reading: Truncated Zstd-compressed stream"), "corrupt"),
+    (FileNotFoundError("Metadata file (named _METADATA) does not exist"), "corrupt"),
+    (json.JSONDecodeError("Expecting value", "", 0), "corrupt"),
+    (ValueError("UNAVAILABLE: error reading gs://b/ckpt/6/state: HTTP 503"), "unreadable"),
+    (ValueError("DEADLINE_EXCEEDED: read of gs://b/ckpt/6/state/d/0 timed out"), "unreadable"),
+    (OSError(5, "Input/output error"), "unreadable"),
+    (ConnectionResetError(104, "Connection reset by peer"), "unreadable"),
+    (PermissionError(13, "Permission denied"), "unreadable"),
+    (RuntimeError("something nobody has seen"), "unreadable"),  # not known to be corrupt: never moved
+    (ValueError("Structure mismatch: Target path ('c',) not found in metadata_tree."), "mismatch"),
+])
+def test_restore_errors_are_classified(exc, kind):
+    try:  # chained as orbax chains TensorStore's status under its own message
+        try:
+            raise exc
+        except Exception as inner:
+            raise Exception("Encountered error while reading array index") from inner
+    except Exception as e:
+        assert classify(e) == kind
+
+
+def failing_first_reads(monkeypatch, under: Path, n: int, error: Exception, name: str = "") -> list[str]:
+    """The first `n` reads of files under `under` whose path contains `name` fail with `error` (as a
+    flaky disk or gs:// would)."""
+    cls = type(epath.Path(str(under)))
+    real, failed = cls.read_text, []
+
+    def read_text(self, *a, **k):
+        if str(self).startswith(str(under)) and name in str(self) and len(failed) < n:
+            failed.append(str(self))
+            raise error
+        return real(self, *a, **k)
+    monkeypatch.setattr(cls, "read_text", read_text)
+    return failed
+
+
+@pytest.mark.parametrize("name", ["6/state/_METADATA", "6/state/array_metadatas", "6/meta/metadata"])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reader coroutines, abandoned
+def test_a_transient_storage_error_is_retried_and_the_checkpoint_restored_in_place(tmp_path, monkeypatch, name):
+    """The first read of each file that a restore needs (the array tree, the arrays' metadata, the
+    sidecar) fails once: the restore tries again and succeeds; nothing is moved."""
+    w, abstract = saved_run(tmp_path)
+    monkeypatch.setattr(Checkpointer, "BACKOFF_S", 0.01)
+    ck = Checkpointer(w / "ckpt", 3)
+    failed = failing_first_reads(monkeypatch, w / "ckpt", 1, OSError(errno.EIO, "Input/output error"), name)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        got = ck.restore(abstract, quarantine=True)
+    assert len(failed) == 1 and got[0] == 6
+    np.testing.assert_array_equal(np.asarray(got[1]["params"]["w"]), np.asarray(small_state(6.0)["params"]["w"]))
+    said = [str(m.message) for m in ws]
+    assert len(said) == 1 and "reading failed (OSError: [Errno 5] Input/output error); trying again" in said[0]
+    assert ckpt_steps(w) == [3, 6] and not (w / "ckpt_corrupt").exists()
+    ck.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reader coroutines, abandoned
+def test_a_storage_error_that_persists_stops_after_the_retries_and_moves_nothing(tmp_path, monkeypatch):
+    w, abstract = saved_run(tmp_path)
+    monkeypatch.setattr(Checkpointer, "BACKOFF_S", 0.01)
+    ck = Checkpointer(w / "ckpt", 3)
+    failed = failing_first_reads(monkeypatch, w / "ckpt", 100, ValueError("UNAVAILABLE: gs://b/ckpt: HTTP 503"),
+                                 "6/state/_METADATA")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointUnreadable, match=r"step 6 .* could not be read 5 times \(ValueError: "
+                                                       r"UNAVAILABLE.*nothing was moved"):
+            ck.restore(abstract, quarantine=True)
+    assert len(failed) == Checkpointer.RETRIES + 1
+    assert ckpt_steps(w) == [3, 6] and not (w / "ckpt_corrupt").exists()
+    ck.close()
+
+
+def test_cli_stops_at_a_checkpoint_of_another_state_and_fresh_sets_it_aside(tmp_path, monkeypatch, capsys):
+    """The code changed (the state gained a parameter) under a run folder: `diloco train` exits 4 with
+    one line naming the leaf, nothing moved; `--fresh` keeps the old checkpoints in set_aside/ and trains."""
+    from diloco import train as train_mod
+
+    cfg_args = ["--config", "experiments/toy.py:diloco", "--workdir", str(tmp_path), "--no_progress",
+                *[f"--config.{k}={v}" for k, v in CLI_TINY.items()]]
+    assert train_mod.main(cfg_args) == 0
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    rows = metric_rows(tmp_path)
+    real = Trainer.abstract_state
+
+    def gained(self):
+        st = real(self)
+        extra = jax.ShapeDtypeStruct((self.R, 3), jnp.float32, sharding=self.rep_sharding)
+        return st.replace(params={**st.params, "adapter": extra})
+    monkeypatch.setattr(Trainer, "abstract_state", gained)
+    capsys.readouterr()
+    assert train_mod.main(cfg_args) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diloco train: checkpoint at step 6 ") and \
+        "the state has params.adapter that the checkpoint lacks" in err[0] and "--fresh" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before and metric_rows(tmp_path) == rows
+    assert train_mod.main(cfg_args + ["--fresh"]) == 0
+    (aside,) = (tmp_path / "set_aside").iterdir()
+    assert sorted(p.name for p in (aside / "ckpt").iterdir()) == before and metric_rows(aside) == rows
+    assert ckpt_steps(tmp_path) == [3, 6] and without_timing(metric_rows(tmp_path)) == without_timing(rows)
 
 
 def test_torn_metrics_line_is_dropped_on_resume(tmp_path):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from diloco.checkpoint import CheckpointError
 from diloco.eval import benchmarks, score
 
 
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> int:
     except (benchmarks.DataNotFound, benchmarks.MalformedItem, FileNotFoundError, ValueError) as e:
         print(f"diloco eval: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # a checkpoint of another state, unreadable storage, all corrupt
+        print(f"diloco eval: {e}", file=sys.stderr)
+        return 4
     if not args.no_summary and run.about["params"] == "drained":  # summary.json describes θᵍ drained
         score.merge_summary(Path(args.workdir) / "summary.json", res)
     elif not args.no_summary:
