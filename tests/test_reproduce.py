@@ -145,7 +145,7 @@ def test_reproduce_end_to_end_at_a_micro_budget_loses_nothing(tmp_path):
             assert h1["tau_alpha"]["alpha=0.5"] == h0["tau_alpha"]["alpha=0.5"]  # not rerun: kept as committed
             assert h1["tau_alpha"]["alpha=0"]["0"] != h0["tau_alpha"]["alpha=0"]["0"]  # rerun at 4 steps: replaced
         elif p.name == "README.md" and len(p.parts) == 1:
-            sweeps = lambda f: {l for l in f.read_text().splitlines() if l.startswith("- `")}
-            assert sweeps(old) <= sweeps(new)
+            names = lambda f: {l.split("`")[1] for l in f.read_text().splitlines() if l.startswith("- `")}
+            assert names(old) <= names(new)  # every sweep and file listed (a rerun sweep names its new root)
         else:
             assert p.suffix == ".png", f"{p} changed and is not a merged table, a plot or the README"
