@@ -209,7 +209,7 @@ TABLE = [  # hand-written rows in memory.csv's format: the smallest slice that f
     ("1B,diloco_h30", "v5litepod-16", 1, "too big", "8 chips per replica on 1× v5litepod-16, and the smallest v5e "
      "slice that fits with ≥10% HBM headroom gives 16 (1B DiLoCo on v5e:4x8: 8.0 GiB of 16.0 per device); use "
      "--accelerator v5litepod-32"),
-    ("1B,diloco_h30 --config.batch_size=256", "v5litepod-16", 1, "unknown", "differs from the memory table's row"),
+    ("1B,diloco_h30 --config.batch_size=128", "v5litepod-16", 1, "unknown", "differs from the memory table's row"),
     ("1B,dp", "v5p-8", 1, "fits", ""),  # 4 chips, 131,072 tokens per chip: the row itself
     ("4B,dp", "v5p-16", 1, "too big", "use --accelerator v5p-32"),  # 1024 × 1024 tokens over 8 chips
     ("4B,dp", "v5p-32", 1, "fits", ""),
@@ -434,6 +434,7 @@ def test_usage_and_logs_without_logs(dry_bundle, tmp_path, recorder):
 REAL_GCLOUD = shutil.which("gcloud", path="/usr/bin:/usr/local/bin:/usr/lib/google-cloud-sdk/bin")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not REAL_GCLOUD or not shutil.which("unshare"), reason="needs the Google Cloud CLI and unshare")
 def test_every_generated_gcloud_line_parses_with_the_real_gcloud(dry_bundle, tmp_path, recorder):
     """Each command line the script runs goes through the real gcloud's argument parser, in a network
@@ -455,11 +456,18 @@ def test_every_generated_gcloud_line_parses_with_the_real_gcloud(dry_bundle, tmp
            "CLOUDSDK_CORE_CHECK_GCE_METADATA": "false", "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "1",
            "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
            "GCE_METADATA_IP": "127.0.0.1:9"}
-    for call in sorted(calls):
-        r = subprocess.run(["unshare", "--net", REAL_GCLOUD, *call], capture_output=True, text=True, env=env, timeout=120)
-        assert r.returncode != 2 and "unrecognized arguments" not in r.stderr and "invalid choice" not in r.stderr, \
-            (call, r.stderr)
-        assert "active account" in r.stderr or "[project]" in r.stderr or "credential" in r.stderr.lower(), (call, r.stderr)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def parse(call):
+        return call, subprocess.run(["unshare", "--net", REAL_GCLOUD, *call], capture_output=True, text=True, env=env,
+                                    timeout=300)
+
+    with ThreadPoolExecutor(4) as ex:
+        for call, r in ex.map(parse, sorted(calls)):
+            assert r.returncode != 2 and "unrecognized arguments" not in r.stderr and "invalid choice" not in r.stderr, \
+                (call, r.stderr)
+            assert "active account" in r.stderr or "[project]" in r.stderr or "credential" in r.stderr.lower(), \
+                (call, r.stderr)
 
 
 # -- against the stand-in of Cloud TPU and Cloud Storage (tests/standin/) ---------------------------
@@ -712,4 +720,7 @@ def test_check_fit_compile_compiles_the_point_for_the_slice():
     cfg = load_config("experiments/c4_scaling.py:tiny,dp", ["--config.seq_len=32", "--config.batch_size=8"],
                       check_data=False)
     verdict, why = preflight.fit_by_compile(cfg, accelerators.parse("v5litepod-4"), 1)
-    assert verdict == "fits" and why.startswith("compiled for v5e:2x2: peak ") and why.endswith("of 16 GiB per chip"), why
+    import re
+
+    m = re.fullmatch(r"compiled for v5e:2x2: peak ([0-9.e-]+) GiB of 16 GiB per chip", why)
+    assert verdict == "fits" and m and 0 < float(m.group(1)) < 1, why

@@ -182,9 +182,9 @@ def fit_by_compile(cfg, sl: accelerators.Slice, slices: int) -> tuple[str, str]:
     peak = max(p["peak_bytes_per_chip"] for p in rep["programs"]) / 2 ** 30
     hbm = rep["chip_hbm_bytes"] / 2 ** 30
     if rep["fits"]:
-        return "fits", f"compiled for {sl.topology}: peak {peak:.1f} GiB of {hbm:.0f} per chip"
+        return "fits", f"compiled for {sl.topology}: peak {peak:.3g} GiB of {hbm:.0f} GiB per chip"
     bigger = [s.name for s in accelerators.of_generation(sl.generation) if s.chips > sl.chips][:1]
-    return "too big", (f"compiled for {sl.topology}: peak {peak:.1f} GiB > {hbm:.0f} GiB HBM per chip; try a larger "
+    return "too big", (f"compiled for {sl.topology}: peak {peak:.3g} GiB > {hbm:.0f} GiB HBM per chip; try a larger "
                        f"slice{' (' + bigger[0] + ')' if bigger else ''} and `diloco compile --paper-table` for the smallest")
 
 
