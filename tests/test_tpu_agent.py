@@ -436,3 +436,20 @@ def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch):
     assert L.go("a", 2).exists() and leader.child_of == ("a", 2)
     leader.child.wait(30)
     assert read_json(L.status("a"))["attempts"]["1"]["result"] == "failed"
+
+
+@pytest.mark.parametrize("log,want", [
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    f()\nValueError: boom\n",
+     "ValueError: boom"),
+    ("step 2\ndiloco train: bad input: tau: 9 must be < H=4\n", "diloco train: bad input: tau: 9 must be < H=4"),
+    ("jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed\nF1201 client.h:80] Terminating\n"
+     "*** Check failure stack trace: ***\n    @     0x7f82cd50cd5b  std::_Function_handler<>::_M_invoke()\n"
+     "    @     0x7f82f6e9e1f5  (unknown)\n", "jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed"),
+    ("E1201 rpc.cc:1] Polled an error from coordination service\n    @     0x7f  (unknown)\n",
+     "E1201 rpc.cc:1] Polled an error from coordination service"),
+    ("step 2\nstep 4\n", "step 4"),
+    ("", ""),
+])
+def test_the_exit_reason_is_the_line_that_says_why(tmp_path, log, want):
+    (tmp_path / "a.log").write_text(log)
+    assert A.last_line(tmp_path / "a.log") == want

@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -624,10 +625,15 @@ class Agent:
 
 
 def last_line(log: Path | None) -> str:
+    """The line of a child's log that best says why it ended: the last exception (or `diloco …:` line),
+    else the last line naming an error (never a frame of a stack trace), else the last line."""
     if log is None or not log.exists():
         return ""
-    lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
-    return lines[-1][-300:] if lines else ""
+    lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines()
+             if ln.strip() and not re.match(r"\s*(@ |\*\*\* Check failure|File \"|\^)", ln)]
+    raised = [ln for ln in lines if re.match(r"([\w.]+(Error|Exception|Fault|Interrupt)|diloco \w+):", ln)]
+    said = [ln for ln in lines if re.search(r"error|exception|fail|fatal", ln, re.IGNORECASE)]
+    return (raised or said or lines or [""])[-1][-300:]
 
 
 def main(argv: list[str] | None = None) -> int:

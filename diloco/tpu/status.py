@@ -63,9 +63,11 @@ def collect(base: str, now: float | None = None) -> dict:
     all_hosts = hosts(plan)
     lost_after = float(plan.get("lost_after_s", TIMING["lost_after_s"]))
     host_rows = []
+    beats = {h: load(L.beat(h)) for h in all_hosts}
+    now = max(now, time.time())  # after the reads: a heartbeat written meanwhile is not from the future
     for h in all_hosts:
-        b = load(L.beat(h))
-        a = age(b, now)
+        b = beats[h]
+        a = max(0.0, age(b, now))
         host_rows.append({"host": h, "label": label(h), "leader": h == LEADER, "beat": b, "age": a,
                           "lost_after": lost_after,
                           "lost": b is not None and a > lost_after and b.get("state") not in ("stopped", "done")})
