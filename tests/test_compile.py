@@ -249,7 +249,6 @@ def test_committed_memory_rows_are_consistent():
 
 
 @needs_libtpu
-@pytest.mark.xfail(strict=True, reason="results/pod/memory.csv: every committed row is still the inner+eval compile without the run's overlap flags (the recompile did not fit this session); `diloco compile --paper-table --out results/pod` recompiles them, and then this xfail must go")
 def test_committed_memory_rows_compiled_every_program_of_the_run(shared_dir):
     """The fit claimed for a row covers what a run executes: its programs are exactly `table_programs`
     of the Trainer built for its config on its slice — each kind of program the run's Trainer has

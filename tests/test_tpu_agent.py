@@ -208,10 +208,10 @@ class Pod:
         self.hosts = A.hosts(p)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, *hosts):
+    def start(self, *hosts, **extra_env):
         for h in hosts or self.hosts:
             s, w = h.split("-")
-            env = dict(os.environ, DILOCO_TPU_SLICE=s, DILOCO_TPU_WORKER=w)
+            env = dict(os.environ, DILOCO_TPU_SLICE=s, DILOCO_TPU_WORKER=w, **extra_env)
             out = open(self.tmp / f"agent-{h}.out", "ab")
             self.procs[h] = subprocess.Popen(
                 [sys.executable, "-m", "diloco.tpu.agent", "--plan", str(self.plan), "--work", str(self.tmp / f"work-{h}")],
@@ -407,6 +407,24 @@ def test_attempts_exhausted_fail_the_point_with_its_log_and_the_sweep_goes_on(po
     assert "last lines of slice0-worker1's log (attempt 2):\n      | fake 0-1 attempt 2: started\n" \
            "      | fake 0-1 attempt 2: boom" in text, text
     assert "good  finished" in text
+
+
+def test_teardown_deletes_the_queued_resource_once_every_point_is_done(pod, tmp_path):
+    """plan teardown: after the last point the leader (and only it) runs gcloud's delete, once."""
+    calls = tmp_path / "gcloud-calls.jsonl"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "gcloud").write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                                   f"open({str(calls)!r}, 'a').write(json.dumps([os.environ['DILOCO_TPU_WORKER'], "
+                                   "sys.argv[1:]]) + '\\n')\n")
+    (bindir / "gcloud").chmod(0o755)
+    p = pod(["a"], teardown=True, project="proj", args={"a": ["--seconds", "0.2"]})
+    p.start(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    p.wait()
+    assert [json.loads(line) for line in calls.read_text().splitlines()] == [
+        ["0", ["compute", "tpus", "queued-resources", "delete", "qr", "--zone=z", "--project=proj", "--force",
+               "--quiet", "--async"]]]
+    assert "teardown: exit 0" in (p.base / "_pod" / "logs" / "slice0-worker0.agent.log").read_text()
 
 
 def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch):
