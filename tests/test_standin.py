@@ -137,7 +137,9 @@ def test_a_killed_host_loses_every_process_and_a_repaired_one_boots_again(standi
     # the startup script leaves a daemon in its own session, as startup.sh does with the agent
     body = "setsid nohup sleep 601 > /dev/null 2>&1 < /dev/null &\nexec sleep 600\n"
     two_slices(standin, tmp_path, body)
-    standin.wait_for(lambda: len(standin.processes("qr")) == 8, what="2 processes on each of 4 hosts")
+    settled = sorted([["sleep", "600"], ["sleep", "601"]] * 4)  # not while bash or nohup is still about to exec
+    standin.wait_for(lambda: sorted(p["cmdline"] for p in standin.processes("qr")) == settled,
+                     what="the script and its daemon on each of 4 hosts")
     on_host = {p["cmdline"][1]: p for p in standin.processes("qr") if p["host"] == "slice0-worker1"}
     daemon = [on_host["601"]]
     assert daemon[0]["pgid"] != on_host["600"]["pgid"]  # setsid: out of reach of the script's process group
@@ -151,7 +153,8 @@ def test_a_killed_host_loses_every_process_and_a_repaired_one_boots_again(standi
     assert sorted(r.stdout.splitlines()) == ["qr-0 worker-0: up",
                                              "qr-0 worker-1: ssh: connect to host 127.1.0.2 port 22: Connection refused"]
     standin.repair_host("qr", 0, 1)
-    standin.wait_for(lambda: len(standin.processes("qr")) == 8, what="the repaired host's processes")
+    standin.wait_for(lambda: sorted(p["cmdline"] for p in standin.processes("qr")) == settled,
+                     what="the repaired host's processes")
     log = (standin.host("qr", 0, 1).home / "startup.log").read_text()
     assert "boot 1," in log and "boot 2," in log
     r = standin.gcloud(*QR, "ssh", "qr", f"--zone={ZONE}", "--node=all", "--worker=all", "--command=true")
