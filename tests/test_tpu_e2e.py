@@ -11,13 +11,15 @@ point must end with the uninterrupted one's params_sha256 bit for bit. A `diloco
 machine would be the same processes without the agent, the bucket and the stand-in's environment — a
 weaker comparison for what this test is about.
 
-A note on attempts: XLA's CPU collectives (gloo) give up a rendezvous when the processes reach their
-first collective more than 30 s apart. On this loaded 2-core machine that happens when four processes
-compile at once, or when they load their programs from a JAX compilation cache on the bucket (the
-emulator is one single-threaded HTTP server; measured: three failed attempts in a row). The bundle's
-cache on gs:// is tested with the stand-in elsewhere (tests/test_standin.py); here the hosts share the
-test suite's local cache, and a failed attempt is simply retried by the agent. So the test asserts what
-each attempt was for, not how many ran."""
+Placement: one CPU device per host and one replica per host (replicas=4: two per slice, so the replica
+axis spans the slices and the outer exchange crosses them). A note on attempts: XLA's CPU collectives
+(gloo) give up a rendezvous after 30 s, and on this machine (gVisor, 2 loaded cores) multi-process runs
+whose replicas span two processes failed there again and again — `diloco launch --processes 4` of
+replicas=2 failed at its first step 2 times out of 2 without any agent, the stand-in's reference point
+8 attempts out of 8 (one replica per process: passed). The hosts share the test suite's local JAX
+cache (the bucket's cache, loaded from the single-threaded emulator, made the processes arrive > 30 s
+apart; the cache on gs:// is tested in tests/test_standin.py). A failed attempt is retried by the agent,
+so the test asserts what each attempt was for, not how many ran."""
 import json
 import os
 import re
@@ -37,8 +39,8 @@ from diloco.tpu import status as S
 pytestmark = pytest.mark.slow
 QR, ZONE = "pod-1", "us-east5-a"
 FAST = {"poll_s": 2, "log_upload_s": 4, "lost_after_s": 15, "abort_grace_s": 20, "stop_grace_s": 300}
-TRAIN = ["scale=tiny", "seq_len=32", "batch_size=16", "steps=20", "H=4", "log_every=2", "eval_every=10",
-         "eval_batches=1", "optimizer.warmup_steps=2"]
+TRAIN = ["scale=tiny", "seq_len=32", "batch_size=16", "replicas=4", "steps=20", "H=4", "log_every=2",
+         "eval_every=10", "eval_batches=1", "optimizer.warmup_steps=2"]
 
 
 def _bundle(tmp_path, gcs, name: str, points: str, accelerator: str, slices: int, *flags: str, **plan) -> tuple[Path, str]:
@@ -71,8 +73,7 @@ def _sh(script: Path, *args, timeout: float = 300) -> subprocess.CompletedProces
 
 def _hosts_can_run_the_project(standin) -> None:
     """The hosts use this interpreter for the agent (DILOCO_TPU_PYTHON: the install is tested elsewhere),
-    one CPU device each (more devices per process, more gloo connections to set up at a rendezvous that
-    gives up after 30 s: with 4 per host, 3 attempts in a row failed on this machine)."""
+    one CPU device each (see the module docstring)."""
     standin.configure(cpu_devices=1, emulator_env={**standin.config["emulator_env"], "DILOCO_TPU_PYTHON": sys.executable})
 
 
