@@ -2,6 +2,9 @@
 (one line, exit 2, nothing created), the launch bundle (exact tree, plan.json, scripts), and every
 gcloud command line the scripts can run, parsed by the real gcloud CLI where it is installed."""
 import json
+import re
+import signal
+import time
 import os
 import shutil
 import subprocess
@@ -381,6 +384,56 @@ def test_the_tpu_extra_pins_the_pair_the_lock_pins():
 def _run_script(script: Path, tmp_path, *args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "POLL_S": "0", **(env or {})})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="startup.sh re-runs itself with sudo when not root")
+def test_start_sees_through_a_stale_pid_file_and_an_unreaped_agent(dry_bundle, tmp_path):
+    """startup.sh starts the agent unless one runs. A pid file naming another live process (after a reboot
+    the pid is someone else's) or an agent that exited but is not reaped yet (a zombie: `kill -0` calls it
+    alive) does not count as running; an agent does."""
+    text = (dry_bundle[0] / "startup.sh").read_text()
+    tree = re.search(r"^TREE=(\S+)$", text, re.M).group(1).strip("'")
+    home = tmp_path / "home"
+    src = home / "diloco" / tree.removesuffix(".tar.gz")
+    src.mkdir(parents=True)
+    (src / ".unpacked").touch()  # the tree is there: no download
+    agent = tmp_path / "python"  # stands for the env's interpreter: its command line names the agent
+    agent.write_text("#!/bin/sh\nsleep 300\n")
+    agent.chmod(0o755)
+    env = {"HOME": str(home), "DILOCO_TPU_PYTHON": str(agent)}
+    pid_file = home / "diloco" / "agent.pid"
+    started: list[int] = []
+
+    def start(expect: str) -> int:
+        r = _run_script(dry_bundle[0] / "startup.sh", tmp_path, env=env)
+        assert r.returncode == 0 and expect in r.stdout, r.stdout + r.stderr
+        pid = int(pid_file.read_text())
+        started.append(pid)
+        return pid
+
+    other = subprocess.Popen(["sleep", "300"])
+    zombie = subprocess.Popen([str(agent), "-m", "diloco.tpu.agent"])
+    try:
+        pid_file.write_text(f"{other.pid}\n")
+        first = start("agent started")
+        assert first != other.pid
+        assert start(f"the agent already runs (pid {first})") == first
+        os.killpg(first, signal.SIGKILL)
+        zombie.kill()  # not waited for: a zombie until reaped
+        deadline = time.time() + 10
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" and time.time() < deadline:
+            time.sleep(0.05)
+        pid_file.write_text(f"{zombie.pid}\n")
+        assert start("agent started") not in (first, zombie.pid)
+    finally:
+        for p in (other, zombie):
+            p.kill()
+            p.wait()
+        for pid in started:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_up_creates_waits_and_recreates_a_suspended_resource(dry_bundle, tmp_path, recorder):

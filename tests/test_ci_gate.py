@@ -1,0 +1,102 @@
+""".ci/run gates: a failing test in any tier (the slow ones included) makes CI fail, a tier that hangs is
+killed at its limit and fails, and under CI=true a test that would skip for a missing libtpu fails.
+
+The first three run the real .ci/run on a scratch project of four one-line tests (one per tier, selected
+by the same markers as ours) with `pip` replaced by a stub on PATH, so the script's own logic — tier
+selection, exit codes, the summary lines — is what is tested, in seconds. The last runs one of our real
+libtpu tests with libtpu hidden (tests/conftest.py: DILOCO_TEST_HIDE_LIBTPU)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO
+
+TIERS = ("default", "e2e", "multiprocess", "tpu")
+MARKS = {"default": "", "e2e": "@pytest.mark.slow", "multiprocess": "@pytest.mark.slow\n@pytest.mark.multiprocess",
+         "tpu": "@pytest.mark.slow\n@pytest.mark.tpu"}
+
+
+def scratch_project(tmp_path, body: dict[str, str]):
+    """A copy of .ci/run beside a pytest project with one test per tier; `body[tier]` is that test's body."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "pyproject.toml").write_text(textwrap.dedent("""
+        [tool.pytest.ini_options]
+        addopts = "-m 'not slow' -p no:cacheprovider"
+        testpaths = ["tests"]
+        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu"]
+    """))
+    (tmp_path / "tests").mkdir()
+    tests = ["import time\nimport pytest\n"]
+    for t in TIERS:
+        tests.append(f"{MARKS[t]}\ndef test_{t}():\n    {body.get(t, 'pass')}\n")
+    (tmp_path / "tests" / "test_tiers.py").write_text("\n".join(tests))
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "pip").write_text("#!/bin/sh\necho \"stub pip $*\" >> \"$(dirname \"$0\")/pip.log\"\n")
+    (bin_ / "pip").chmod(0o755)
+    (bin_ / "python").symlink_to(sys.executable)
+    return tmp_path
+
+
+def ci_run(project, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CI"))}
+    e.update(PATH=f"{project / 'bin'}{os.pathsep}{os.environ['PATH']}", **env)
+    return subprocess.run(["bash", str(project / ".ci" / "run")], cwd=project, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def summary(r) -> dict[str, str]:
+    return {line.split()[2].rstrip(":"): line for line in r.stdout.splitlines()
+            if line.startswith("ci: tier ") and ": python -m pytest" not in line}  # not the tier's header line
+
+
+def test_every_tier_passing_passes_and_installs_from_the_lock(tmp_path):
+    p = scratch_project(tmp_path, {})
+    r = ci_run(p)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "ci: passed"
+    s = summary(r)
+    assert list(s) == list(TIERS)
+    assert all("1 passed, 0 failed, 0 skipped" in s[t] and s[t].endswith("— ok") for t in TIERS), s
+    assert (p / "bin" / "pip.log").read_text() == "stub pip install -c requirements.lock -e .[test,tpu]\n"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_failing_test_in_any_tier_fails_ci(tmp_path, tier):
+    r = ci_run(scratch_project(tmp_path, {tier: "assert False, 'broken on purpose'"}))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "ci: FAILED"
+    s = summary(r)
+    assert list(s) == list(TIERS)  # a failing tier does not stop the others from running and reporting
+    assert "0 passed, 1 failed" in s[tier] and s[tier].endswith("FAILED (pytest exit 1)"), s[tier]
+    assert all(s[t].endswith("— ok") for t in TIERS if t != tier), s
+
+
+def test_a_tier_that_hangs_is_killed_at_its_limit_and_fails(tmp_path):
+    r = ci_run(scratch_project(tmp_path, {"multiprocess": "time.sleep(120)"}), CI_TIER_LIMIT_S="8")
+    assert r.returncode == 1, r.stdout + r.stderr
+    s = summary(r)
+    assert s["multiprocess"].endswith("FAILED: killed at its 8 s limit"), s
+    assert all(s[t].endswith("— ok") for t in TIERS if t != "multiprocess"), s
+
+
+def test_under_ci_a_test_skipped_for_missing_libtpu_fails(tmp_path):
+    """The rule of tests/conftest.py on one of our real TPU tests: with libtpu hidden (as an install without
+    the `tpu` extra would be) it skips outside CI and fails under CI=true, naming what did not run."""
+    test = "tests/test_compile.py::test_compile_streaming_step_for_v5e_2x2"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env["DILOCO_TEST_HIDE_LIBTPU"] = "1"
+    outside = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", test], cwd=REPO, capture_output=True,
+                             text=True, timeout=600, env={**env, "CI": "false"})
+    assert outside.returncode == 0 and "1 skipped" in outside.stdout, outside.stdout[-2000:]
+    under = subprocess.run([sys.executable, "-m", "pytest", "-q", test], cwd=REPO, capture_output=True, text=True,
+                           timeout=600, env={**env, "CI": "true"})
+    assert under.returncode == 1 and "1 error in" in under.stdout, under.stdout[-2000:]  # failed at its setup
+    assert f"ci: did not run: {test} (" in under.stdout and "libtpu" in under.stdout
