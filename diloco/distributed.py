@@ -122,6 +122,50 @@ def initialize_from_env() -> bool:
     return True
 
 
+ENV_FIRST_CALL_TIMEOUT = "DILOCO_FIRST_CALL_TIMEOUT_S"
+_first_calls = 0  # programs first called so far in this process: the same order in every process (SPMD)
+
+
+class AlignedFirstCall:
+    """A jitted program whose first call in a multi-process CPU job compiles it, then waits for every
+    process at a barrier of JAX's coordination service, then runs it; every later call is the program's.
+
+    Why: XLA:CPU's gloo collectives set up a communicator at the first collective of each group of
+    devices, and give up when the processes arrive there more than 30 s apart (`Gloo context
+    initialization failed: … GetKeyValue() timed out … 29.99s`; not configurable from JAX). On a loaded
+    machine one process can compile a program 30 s later than another: seen here as `diloco launch
+    --processes 4` failing at its first step. The barrier waits DILOCO_FIRST_CALL_TIMEOUT_S (default
+    1800 s), so only the compile's skew moves into it. On one process or a TPU pod: the program as is.
+    `jit(f).lower(…).compile()` fills the same in-memory cache the call then uses (nothing compiles twice)."""
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name, self.aligned = fn, name, False
+
+    def __getattr__(self, attr):  # .lower, .eval_shape, … of the jitted program
+        return getattr(self.fn, attr)
+
+    def __call__(self, *args, **kwargs):
+        if not self.aligned:
+            self.aligned = True
+            import jax
+
+            if jax.process_count() > 1 and jax.default_backend() == "cpu":
+                from jax._src import distributed as jdist
+
+                global _first_calls
+                _first_calls += 1
+                self.fn.lower(*args, **kwargs).compile()
+                timeout_s = float(os.environ.get(ENV_FIRST_CALL_TIMEOUT, "1800"))
+                jdist.global_state.client.wait_at_barrier(f"diloco-first-call-{_first_calls}-{self.name}",
+                                                          int(timeout_s * 1000))
+        return self.fn(*args, **kwargs)
+
+
+def aligned_first_call(fn, name: str) -> AlignedFirstCall:
+    """`fn` wrapped in AlignedFirstCall (name: for the barrier's id, to say which program waited)."""
+    return AlignedFirstCall(fn, name)
+
+
 def _by_process() -> list[list[Any]]:
     import jax
 

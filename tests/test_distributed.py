@@ -450,3 +450,60 @@ def test_sweeps_need_root_and_say_so(monkeypatch, capsys):
     for cmd in ("sweep",):
         assert netbench.main([cmd]) == 2
         assert "needs root" in capsys.readouterr().err
+
+
+# Two processes, one CPU device each; process 1 reaches the program's first call LATE s after process 0
+# (a slow compile on a loaded machine). Prints "ok <sum>" or "FAILED <error>".
+LATE_FIRST_CALL = '''
+import os, sys, time
+import numpy as np
+from diloco import distributed as dist
+dist.initialize_from_env()
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("replica",))
+f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "replica"), mesh=mesh, in_specs=P("replica"), out_specs=P()))
+if sys.argv[1] == "aligned":
+    f = dist.aligned_first_call(f, "psum")
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("replica")), np.ones((1, 2), np.float32))
+if jax.process_index() == 1:
+    time.sleep(float(sys.argv[2]))
+try:
+    print("ok", float(np.asarray(jax.device_get(f(x))).sum()), flush=True)
+except Exception as e:
+    print("FAILED", str(e).splitlines()[0][:300], flush=True)
+    os._exit(1)  # not jax.distributed's shutdown, which would wait for the other process
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how,ok", [("aligned", True), ("plain", False)])
+def test_a_process_that_reaches_the_first_collective_late_is_waited_for(tmp_path, how, ok):
+    """XLA:CPU's gloo sets up its communicator at a program's first collective and gives up after 30 s:
+    a process 40 s late fails the plain program, while aligned_first_call (what the trainer's programs
+    are wrapped in) compiles, waits at a coordination-service barrier, and both processes get the sum."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    procs = [subprocess.Popen([sys.executable, "-c", LATE_FIRST_CALL, how, "40"], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**env, **dist.child_env(i, 2, f"127.0.0.1:{port}", None, comm_device=False),
+                                   "JAX_PLATFORMS": "cpu"})
+             for i in range(2)]
+    try:
+        outs = [procs[0].communicate(timeout=300)[0]]
+        if not ok:
+            procs[1].kill()  # left waiting for a peer that is gone
+        outs.append(procs[1].communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    last = [o.strip().splitlines()[-1] if o.strip() else "" for o in outs]
+    if ok:
+        assert last == ["ok 4.0", "ok 4.0"], outs
+    else:
+        assert last[0].startswith("FAILED") and "gloo" in last[0].lower(), outs
