@@ -4,6 +4,7 @@ processes on a local root (etils.epath serves local folders and gs:// alike) run
 real `diloco train` on a GCS emulator and a stub gcloud: tests/test_tpu_e2e.py."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -407,6 +408,27 @@ def test_attempts_exhausted_fail_the_point_with_its_log_and_the_sweep_goes_on(po
     assert "last lines of slice0-worker1's log (attempt 2):\n      | fake 0-1 attempt 2: started\n" \
            "      | fake 0-1 attempt 2: boom" in text, text
     assert "good  finished" in text
+
+
+def test_a_failed_point_runs_again_once_its_state_is_removed_and_finished_points_do_not(pod):
+    """docs/distributed.md §9 step 5, "when a point fails": fix the cause (here: a new plan), remove the
+    point's _state, start the agents again. The failed point runs from attempt 1 and finishes; the
+    finished point is not run again."""
+    p = pod(["bad", "good"], max_attempts=1, args={"bad": ["--fail", "0-1:*"], "good": ["--seconds", "0.2"]})
+    p.start()
+    p.wait()
+    assert (p.status("bad")["state"], p.status("good")["state"]) == ("failed", "finished")
+    good_runs = p.runs("good")
+    plan = read_json(p.plan)
+    plan["points"][0]["argv"] = ["--workdir", plan["points"][0]["workdir"], "--seconds", "0.2"]  # the fix
+    atomic_write_json(p.plan, plan)
+    shutil.rmtree(p.base / "bad" / "_state")  # gcloud storage rm -r gs://…/bad/_state
+    p.start()
+    p.wait()
+    bad = p.status("bad")
+    assert (bad["state"], bad["attempt"]) == ("finished", 1) and list(bad["attempts"]) == ["1"], bad
+    assert {h: r["code"] for h, r in p.runs("bad").items()} == {"0-0-1": 0, "0-1-1": 0}
+    assert p.runs("good") == good_runs and p.status("good")["state"] == "finished"
 
 
 def test_teardown_deletes_the_queued_resource_once_every_point_is_done(pod, tmp_path):
