@@ -148,6 +148,25 @@ def test_a_c4_point_without_a_dataset_on_gs_is_refused(tmp_path, capsys, recorde
     assert "data_dir: point default:" in err and "this machine's disk" in err
 
 
+def test_downstream_items_outside_the_shipped_tree_are_refused(tmp_path, capsys, recorder):
+    f = _write_sweep(tmp_path, "experiments/toy.py:diloco")
+    argv = [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8", "--set", "downstream.tasks=hellaswag",
+            "--set", "downstream.every=10"]
+    for data_dir, says in [("", "is unset"), ("gs://bkt/eval", "is on gs://"), (str(tmp_path), "is not a folder of "
+                           "the shipped tree"), ("no/such/folder", "is not a folder of the shipped tree")]:
+        err = _refused(capsys, tmp_path, recorder, [*argv, "--set", f"downstream.data_dir={data_dir}"])
+        assert f"downstream.data_dir: point default: downstream.tasks='hellaswag'" in err and says in err, err
+        assert "`diloco eval`" in err
+    import ml_collections
+
+    cfg = ml_collections.ConfigDict({"downstream": {"tasks": "hellaswag", "data_dir": "evaldata/"}})
+    preflight.check_downstream(cfg, "p", {"evaldata/hellaswag/validation.jsonl", "README.md"})  # in the tree: ok
+    with pytest.raises(ConfigError, match="downstream.data_dir"):
+        preflight.check_downstream(cfg, "p", {"evaldata_old/hellaswag/validation.jsonl"})
+    cfg.downstream.tasks = ""
+    preflight.check_downstream(cfg, "p", set())  # nothing scored during training: nothing to check
+
+
 def test_a_missing_vocabulary_is_refused(tmp_path, capsys, recorder):
     f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
     err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8",

@@ -121,6 +121,24 @@ def check_data(cfg, name: str, tree: set[str]) -> None:
                               "(data=c4 with data_dir=gs://…) or files committed under the repository")
 
 
+def check_downstream(cfg, name: str, tree: set[str]) -> None:
+    """Downstream scoring during training reads its items from local files (diloco/eval/benchmarks.py),
+    on every host, relative to the shipped tree: they must be files of that tree."""
+    ds = cfg.get("downstream") or {}
+    if not ds.get("tasks"):
+        return
+    d = str(ds.get("data_dir") or "")
+    where = "is unset (each host would look in its own $DILOCO_EVAL_DATA)" if not d else (
+        "is on gs://, which the benchmark readers do not read" if d.startswith("gs://") else
+        "is not a folder of the shipped tree, and TPU hosts cannot read this machine's disk")
+    prefix = os.path.normpath(d) + "/"
+    if not d or d.startswith("gs://") or os.path.isabs(d) or not any(f.startswith(prefix) for f in tree):
+        raise ConfigError("downstream.data_dir", f"point {name}: downstream.tasks={ds['tasks']!r} scores items "
+                          f"during training, but downstream.data_dir={d!r} {where}; commit the items under the "
+                          "repository and --set downstream.data_dir=<that folder>, or leave downstream.tasks empty "
+                          "and score the finished run with `diloco eval`")
+
+
 def check_vocab(cfg, name: str) -> str:
     """'' (byte or gs:// vocabulary) or the local .model path to stage; a missing file is refused."""
     kind, _, arg = (cfg.vocab or "byte").partition(":")
@@ -235,6 +253,7 @@ def check(sweep: dict, root: str, accelerator: str, slices: int, extra: list[str
     for pt in sweep["points"]:
         cfg = check_point(pt, extra, sl, slices, tree)
         check_data(cfg, pt["name"], tree)
+        check_downstream(cfg, pt["name"], tree)
         local = check_vocab(cfg, pt["name"])
         if local:
             out.vocabs[local] = staged_vocab_name(local)
