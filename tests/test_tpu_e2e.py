@@ -138,7 +138,9 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     t_kill = time.time()
     _until(lambda: gcs.exists(f"{wd1}/_state/attempt-{k}/abort"), 300, f"the leader's abort of attempt {k}", standin)
     _until(lambda: len(_exits(gcs, base, p1, k)) == 3, 300, "the three live hosts' trainers reaped", standin)
-    _until(lambda: "lost" in S.collect(base)["points"][0]["note"], 60, "the leader to call the host lost", standin)
+    # the leader's note follows the exits at its next poll: wait until only the lost host is left in it
+    _until(lambda: "waiting for the exit of slice1-worker1 lost" in S.collect(base)["points"][0]["note"], 60,
+           "the leader to wait only for the lost host", standin)
     r = _sh(script, "status")
     assert r.returncode == 2
     assert re.search(rf"{re.escape(p1)}\s+running\s+attempt {k} .*waiting for the exit of slice1-worker1 lost", r.stdout)
