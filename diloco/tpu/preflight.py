@@ -128,15 +128,18 @@ def check_downstream(cfg, name: str, tree: set[str]) -> None:
     if not ds.get("tasks"):
         return
     d = str(ds.get("data_dir") or "")
-    where = "is unset (each host would look in its own $DILOCO_EVAL_DATA)" if not d else (
-        "is on gs://, which the benchmark readers do not read" if d.startswith("gs://") else
-        "is not a folder of the shipped tree, and TPU hosts cannot read this machine's disk")
-    prefix = os.path.normpath(d) + "/"
-    if not d or d.startswith("gs://") or os.path.isabs(d) or not any(f.startswith(prefix) for f in tree):
-        raise ConfigError("downstream.data_dir", f"point {name}: downstream.tasks={ds['tasks']!r} scores items "
-                          f"during training, but downstream.data_dir={d!r} {where}; commit the items under the "
-                          "repository and --set downstream.data_dir=<that folder>, or leave downstream.tasks empty "
-                          "and score the finished run with `diloco eval`")
+    if not d:
+        where = "is unset (each host would look in its own $DILOCO_EVAL_DATA)"
+    elif d.startswith("gs://"):
+        where = "is on gs://, which the benchmark readers do not read"
+    elif os.path.isabs(d) or not any(f.startswith(os.path.normpath(d) + "/") for f in tree):
+        where = "is not a folder of the shipped tree, and TPU hosts cannot read this machine's disk"
+    else:
+        return
+    raise ConfigError("downstream.data_dir", f"point {name}: downstream.tasks={ds['tasks']!r} scores items "
+                      f"during training, but downstream.data_dir={d!r} {where}; commit the items under the "
+                      "repository and --set downstream.data_dir=<that folder>, or leave downstream.tasks empty "
+                      "and score the finished run with `diloco eval`")
 
 
 def check_vocab(cfg, name: str) -> str:
