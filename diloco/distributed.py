@@ -161,9 +161,11 @@ class AlignedFirstCall:
         return self.fn(*args, **kwargs)
 
 
-def aligned_first_call(fn, name: str) -> AlignedFirstCall:
-    """`fn` wrapped in AlignedFirstCall (name: for the barrier's id, to say which program waited)."""
-    return AlignedFirstCall(fn, name)
+def aligned_jit(fun, name: str, **jit_kwargs) -> AlignedFirstCall:
+    """`jax.jit(fun, **jit_kwargs)` in an AlignedFirstCall (name: in the barrier's id, says which program waited)."""
+    import jax
+
+    return AlignedFirstCall(jax.jit(fun, **jit_kwargs), name)
 
 
 def _by_process() -> list[list[Any]]:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from diloco.config import mesh_rules, mesh_shape
 from diloco.errors import ConfigError
-from diloco.distributed import aligned_first_call, device_grid
+from diloco.distributed import aligned_jit, device_grid
 from diloco.data import get_vocabulary
 from diloco.model import ModelConfig, Transformer, loss_fn, param_logical_axes
 from diloco.model.scales import TOY_SCALES, formula_params
@@ -331,8 +331,8 @@ class Trainer:
 
         `active=p` trains only fragment p (the FedPart-style frozen-fragment baseline)."""
         if ("inner", active) not in self._jit:
-            self._jit[("inner", active)] = aligned_first_call(
-                jax.jit(self.inner_step_py(active), donate_argnums=(0,)), f"inner-{active}")
+            self._jit[("inner", active)] = aligned_jit(self.inner_step_py(active), f"inner-{active}",
+                                                       donate_argnums=(0,))
         return self._jit[("inner", active)]
 
     def inner_step_py(self, active: int | None = None):
@@ -421,9 +421,8 @@ class Trainer:
     def eval_fn(self):
         if "eval" not in self._jit:
             spec = self.eval_batch_sharding.spec
-            self._jit["eval"] = aligned_first_call(jax.jit(self.in_rules(
-                lambda params, toks: self.loss(params, toks)[1]["ce"], batch_axes=spec[0] if len(spec) else None)),
-                "eval")
+            self._jit["eval"] = aligned_jit(self.in_rules(lambda params, toks: self.loss(params, toks)[1]["ce"],
+                                                          batch_axes=spec[0] if len(spec) else None), "eval")
         return self._jit["eval"]
 
     def dp_bytes_per_replica(self) -> int:

@@ -462,9 +462,8 @@ dist.initialize_from_env()
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 mesh = Mesh(np.array(jax.devices()), ("replica",))
-f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "replica"), mesh=mesh, in_specs=P("replica"), out_specs=P()))
-if sys.argv[1] == "aligned":
-    f = dist.aligned_first_call(f, "psum")
+psum = jax.shard_map(lambda x: jax.lax.psum(x, "replica"), mesh=mesh, in_specs=P("replica"), out_specs=P())
+f = dist.aligned_jit(psum, "psum") if sys.argv[1] == "aligned" else jax.jit(psum)
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("replica")), np.ones((1, 2), np.float32))
 if jax.process_index() == 1:
     time.sleep(float(sys.argv[2]))
@@ -481,7 +480,7 @@ except Exception as e:
 @pytest.mark.parametrize("how,ok", [("aligned", True), ("plain", False)])
 def test_a_process_that_reaches_the_first_collective_late_is_waited_for(tmp_path, how, ok):
     """XLA:CPU's gloo sets up its communicator at a program's first collective and gives up after 30 s:
-    a process 40 s late fails the plain program, while aligned_first_call (what the trainer's programs
+    a process 40 s late fails the plain program, while aligned_jit (what the trainer's programs
     are wrapped in) compiles, waits at a coordination-service barrier, and both processes get the sum."""
     import socket
 

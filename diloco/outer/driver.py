@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco.distributed import aligned_first_call
+from diloco.distributed import aligned_jit
 from diloco.faults import NumericalFault
 from diloco.outer.schedule import Schedule
 from diloco.outer.sync import OuterSync
@@ -94,9 +94,8 @@ class OuterDriver:
                     return state.replace(params=sync.merge(state.params, state.outer, p, mask_R))
             else:
                 raise ValueError(f"unknown outer operation {kind!r}")
-            self._jit[(kind, p, donate)] = aligned_first_call(
-                jax.jit(lambda *a, _f=f: self.constrain(_f(*a)), donate_argnums=(0,) if donate else ()),
-                f"{kind}-{p}")
+            self._jit[(kind, p, donate)] = aligned_jit(lambda *a, _f=f: self.constrain(_f(*a)), f"{kind}-{p}",
+                                                       donate_argnums=(0,) if donate else ())
         return self._jit[(kind, p, donate)]
 
     def step_program(self, step: Callable, p: int, variant: Any = None):
@@ -116,8 +115,7 @@ class OuterDriver:
                 new, ce_R, fin_R = step(state, tokens, *poison)
                 return self.constrain(new.replace(outer=outer)), ce_R, fin_R
 
-            self._jit[("step+send", p, variant)] = aligned_first_call(jax.jit(f, donate_argnums=(0,)),
-                                                                      f"step+send-{p}")
+            self._jit[("step+send", p, variant)] = aligned_jit(f, f"step+send-{p}", donate_argnums=(0,))
         return self._jit[("step+send", p, variant)]
 
     def inner_step(self, state, tokens, step_fn, step: Callable, variant: Any = None, poison: tuple = (),
