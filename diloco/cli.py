@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("diloco.distributed", "start one process per replica (jax.distributed) on this machine"),
     "netbench": ("diloco.netbench", "measure achieved throughput between replica processes"),
     "compile": ("diloco.compile", "compile a run for a TPU topology here: per-chip memory, FLOPs, collectives"),
+    "data": ("diloco.data.cli", "token stores: tokenize a corpus once (tokenize), its manifest (info), preflight (check)"),
 }
 
 

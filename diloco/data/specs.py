@@ -15,7 +15,7 @@ from pathlib import Path
 
 from diloco.errors import ConfigError
 
-SPECS = "stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<jsonl glob> | jsonl:<glob> | text:<glob>"
+SPECS = "stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<jsonl glob> | jsonl:<glob> | text:<glob> | tokens:<token store>"
 VOCABS = "byte | sentencepiece:<path to .model>"
 SPLITS = ("train", "validation")
 VAL_PER_MILLE = 20  # file/hash-split corpora: ~2% of documents go to "validation"
@@ -176,11 +176,26 @@ def _check_utf8(path: str) -> None:
         raise ConfigError("data", f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it with `iconv -t utf-8` or exclude it from the glob") from None
 
 
+def store_path(data) -> str | None:
+    """The token store of a 'tokens:<path>' spec (local or gs://…), else None."""
+    if isinstance(data, str) and data.strip().startswith("tokens:"):
+        path = data.strip()[len("tokens:"):]
+        if not path:
+            raise ConfigError("data", "'tokens:' needs a store path, e.g. 'tokens:gs://bucket/c4-t5' (made by `diloco data tokenize`)")
+        return path
+    return None
+
+
 def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, split: str = "train") -> None:
     """Cheap checks before anything is built; raises ConfigError(field, message)."""
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise ConfigError("seq_len", f"seq_len={seq_len!r} must be an int >= 2")
     parse_vocab(vocab)
+    if store_path(data) is not None:
+        from diloco.data.store import check_store
+
+        check_store(store_path(data), vocab, seq_len, splits=(split,))
+        return
     spec = parse_data(data, data_dir)
     if spec.kind == "tfds":
         splits = tfds_split_info(spec.root)
@@ -219,6 +234,12 @@ def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, spl
 
 def corpus_info(data: str, data_dir: str | None = None) -> dict:
     """Facts about the corpus for the run summary (no TensorFlow needed)."""
+    if store_path(data) is not None:
+        from diloco.data.store import read_manifest
+
+        man = read_manifest(store_path(data))
+        return {"data": data, "kind": "tokens", "store_fingerprint": man["fingerprint"], "vocab": man["vocab"],
+                "splits": {k: {"source": v["source"], "tokens": v["tokens"], "docs": v["docs"]} for k, v in man["splits"].items()}}
     spec = parse_data(data, data_dir)
     info: dict = {"data": data, "kind": spec.kind}
     if spec.kind == "tfds":
