@@ -22,6 +22,8 @@ from diloco.simulate import analytic, paper
 from diloco.simulate.dag import Assumptions, Method, Model, simulate
 from diloco.simulate.presets import (
     CALIBRATIONS,
+    EAGER,
+    EAGER_BASE,
     MODELS,
     PATTERNS,
     allreduce_factor,
@@ -50,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation (default 0.6, as the paper)")
     g.add_argument("--vocab-size", type=int, default=32000)
     g = ap.add_argument_group("method")
-    g.add_argument("--method", default="streaming_ovl_fp4", help="|".join(methods.VARIANTS) + " (diloco/outer/methods.py)")
+    g.add_argument("--method", default="streaming_ovl_fp4", help="|".join(methods.VARIANTS) + " (diloco/outer/methods.py), or "
+                   f"{EAGER} ([EU] 1-outer-step eager overlap: {EAGER_BASE} with tau = H)")
     g.add_argument("--h", type=int, default=100, help="inner steps per outer round H (default 100)")
     g.add_argument("--fragments", type=int, help="number of fragments P (default: layers / layers-per-fragment)")
     g.add_argument("--layers-per-fragment", type=int, default=3)

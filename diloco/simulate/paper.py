@@ -10,13 +10,13 @@ from diloco.errors import ConfigError
 from diloco.outer import methods
 from diloco.simulate import analytic
 from diloco.simulate.dag import Assumptions, Method, Model
-from diloco.simulate.presets import MODELS, PAPER, make_method
+from diloco.simulate.presets import EAGER, MODELS, PAPER, make_method
 from diloco.simulate.search import GRID, paper_print, printed_indices, required_bandwidth
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 SOURCES = {
     "sd": "streaming_diloco_v1:table4",  # the 75 cells of [SD] Table 4
-    "eu": "eager_updates_v1:table5",  # [EU] Table 5 "inner" rows (1-inner-step overlap)
+    "eu": "eager_updates_v1:table5",  # [EU] Table 5: "inner" (τ = 1) and "outer" (eager, τ = H) rows
     "sl": "scaling_laws_v1:table6",  # [SL] Table 6 DiLoCo-H rows
 }
 CSV_NAME = "results/paper/compute_utilization.csv"
@@ -52,15 +52,17 @@ def find_csv(path: str | Path | None = None) -> Path:
 
 
 def read_rows(path: str | Path | None = None, sources: tuple[str, ...] = ("sd", "eu", "sl")) -> list[dict]:
-    """Published rows this simulator can model ([EU] 'outer'/eager rows are skipped)."""
+    """Published rows of the chosen sources."""
     wanted = {SOURCES[s] for s in sources}
     with open(find_csv(path), newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["source"] in wanted]
-    return [r for r in rows if not r["method"].startswith("streaming_eager")]
+        return [r for r in csv.DictReader(f) if r["source"] in wanted]
 
 
 def method_for(label: str, h: int | None, model: Model) -> Method:
-    """CSV method label -> simulator Method of its variant (3 layers per fragment, τ=1 when overlapped)."""
+    """CSV method label -> simulator Method of its variant (3 layers per fragment, τ=1 when overlapped;
+    `streaming_eager_h<H>` is Streaming + FP4 with τ = H)."""
+    if methods.split_h(label)[0] == EAGER:
+        return make_method(EAGER, model.layers, h=h or 1)
     variant, _ = methods.from_paper_label(label)
     return make_method(variant.name, model.layers, h=h or 1)
 

@@ -42,6 +42,13 @@ def allreduce_factor(replicas: int) -> float:
     return 2 * (replicas - 1) / replicas
 
 
+# [EU]'s "1-outer-step overlap" (eager updates): Streaming + FP4 with τ = H, i.e. fragment p's exchange
+# issued after step t_p + kH is needed only by the step after its next send, t_p + (k+1)H + 1. A
+# simulator-only name: training selects eager with config.eager, not with a method variant.
+EAGER = "streaming_eager"
+EAGER_BASE = "streaming_ovl_fp4"
+
+
 def make_method(
     kind: str,
     layers: int,
@@ -52,8 +59,12 @@ def make_method(
     bits: float | None = None,
     pattern: str = "strided",
 ) -> Method:
-    """Method of a variant of diloco/outer/methods.py (or an alias); None arguments take the
-    variant's values: Streaming ceil(layers / 3) fragments, τ=1 when overlapped, 4 bits for FP4."""
+    """Method of a variant of diloco/outer/methods.py (or an alias, or EAGER); None arguments take the
+    variant's values: Streaming ceil(layers / 3) fragments, τ=1 when overlapped (τ=H for EAGER), 4 bits
+    for FP4."""
+    if kind == EAGER:
+        m = make_method(EAGER_BASE, layers, h, fragments, layers_per_fragment, h if tau is None else tau, bits, pattern)
+        return dataclasses.replace(m, name=EAGER)
     v = methods.get(kind)
     if pattern not in PATTERNS:
         raise ConfigError("pattern", f"{pattern!r}; valid: {', '.join(PATTERNS)}")
