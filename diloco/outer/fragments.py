@@ -46,18 +46,67 @@ class Fragments:
     def P(self) -> int:
         return len(self.parts)
 
-    def flatten(self, tree, p: int) -> jax.Array:
-        """Fragment p of one (un-replicated) parameter tree as a float32 vector (n_p,)."""
+    # -- one compiled program per layout: the rows of a stacked leaf as (start, stride, count) --------
+    def layout(self, p: int) -> tuple:
+        """What a compiled program of fragment p depends on: each part's leaf and, for rows of a stacked
+        leaf, their (count, stride) when they form an arithmetic progression (the rows themselves when
+        not). Fragments of equal layout share one program; `starts(p)` is its argument."""
+        def rows_key(rows):
+            if rows is None:
+                return None
+            steps = {b - a for a, b in zip(rows, rows[1:])}
+            return ("ap", len(rows), steps.pop() if steps else 1) if len(steps) <= 1 else ("rows", rows)
+        return tuple((i, rows_key(rows)) for i, rows in self.parts[p])
+
+    def starts(self, p: int) -> np.ndarray:
+        """(parts with rows,) int32: the first row of each stacked part of fragment p."""
+        return np.asarray([rows[0] for _, rows in self.parts[p] if rows is not None], np.int32)
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Fragments sharing one layout (so one compiled program each), in fragment order."""
+        by: dict[tuple, list[int]] = {}
+        for p in range(self.P):
+            by.setdefault(self.layout(p), []).append(p)
+        return tuple(tuple(g) for g in sorted(by.values()))
+
+    def _windows(self, p: int, starts):
+        """(leaf index, rows, window) per part: `window(leaf)` reads the part's rows; with `starts` (a
+        traced (parts,) int32) a dynamic slice at its start, strided: the same program for every
+        fragment of this layout."""
+        j = 0
+        for i, rows in self.parts[p]:
+            if rows is None:
+                yield i, None, None
+                continue
+            if starts is None or len({b - a for a, b in zip(rows, rows[1:])}) > 1:
+                yield i, rows, None  # static rows (no `starts`, or rows that are not a progression)
+            else:
+                stride = rows[1] - rows[0] if len(rows) > 1 else 1
+                yield i, rows, (starts[j], stride, (len(rows) - 1) * stride + 1)
+            j += 1
+
+    def flatten(self, tree, p: int, starts=None) -> jax.Array:
+        """Fragment p of one (un-replicated) parameter tree as a float32 vector (n_p,). With `starts`
+        (`starts(q)` of any fragment q of p's layout, traced) the rows are read at those starts."""
         leaves = jax.tree_util.tree_leaves(tree)
-        chunks = [(leaves[i] if rows is None else leaves[i][np.asarray(rows)]).reshape(-1)
-                  for i, rows in self.parts[p]]
+        chunks = []
+        for i, rows, win in self._windows(p, starts):
+            leaf = leaves[i]
+            if rows is None:
+                x = leaf
+            elif win is None:
+                x = leaf[np.asarray(rows)]
+            else:
+                start, stride, span = win
+                x = jax.lax.dynamic_slice_in_dim(leaf, start, span, axis=0)[::stride]
+            chunks.append(x.reshape(-1))
         return jnp.concatenate([c.astype(jnp.float32) for c in chunks])
 
-    def unflatten(self, tree, p: int, vec: jax.Array):
-        """`tree` with fragment p replaced by `vec` (n_p,)."""
+    def unflatten(self, tree, p: int, vec: jax.Array, starts=None):
+        """`tree` with fragment p replaced by `vec` (n_p,) (at `starts`, as in `flatten`)."""
         leaves = list(jax.tree_util.tree_leaves(tree))
         off = 0
-        for i, rows in self.parts[p]:
+        for i, rows, win in self._windows(p, starts):
             leaf = leaves[i]
             if rows is None:
                 n = leaf.size
@@ -65,7 +114,14 @@ class Fragments:
             else:
                 shape = (len(rows),) + leaf.shape[1:]
                 n = int(np.prod(shape))
-                leaves[i] = leaf.at[np.asarray(rows)].set(vec[off:off + n].reshape(shape).astype(leaf.dtype))
+                new = vec[off:off + n].reshape(shape).astype(leaf.dtype)
+                if win is None:
+                    leaves[i] = leaf.at[np.asarray(rows)].set(new)
+                else:
+                    start, stride, span = win
+                    if stride > 1:
+                        new = jax.lax.dynamic_slice_in_dim(leaf, start, span, axis=0).at[::stride].set(new)
+                    leaves[i] = jax.lax.dynamic_update_slice_in_dim(leaf, new, start, axis=0)
             off += n
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 

@@ -69,10 +69,12 @@ class OuterSync:
         return codecs.encoded_nbytes(self.codec, self.padded(self.frags.sizes[p]))
 
     # -- send ------------------------------------------------------------------------------------
-    def delta(self, params_R, outer: OuterState, p: int) -> jax.Array:
-        """Δ_m,p = θᵍ_p − θ_m,p, (R, n_p) f32: the outer gradient of every replica (the only place)."""
-        g_n = self.frags.flatten(outer.params, p)
-        return g_n[None] - jax.vmap(lambda t: self.frags.flatten(t, p))(params_R)
+    def delta(self, params_R, outer: OuterState, p: int, starts=None) -> jax.Array:
+        """Δ_m,p = θᵍ_p − θ_m,p, (R, n_p) f32: the outer gradient of every replica (the only place).
+        `starts`: fragment p's rows read at these (traced) starts, for a program shared by the fragments
+        of p's layout (`Fragments.layout`); the same in update and merge."""
+        g_n = self.frags.flatten(outer.params, p, starts)
+        return g_n[None] - jax.vmap(lambda t: self.frags.flatten(t, p, starts))(params_R)
 
     @staticmethod
     def with_pending(outer: OuterState, p: int, avg_n: jax.Array) -> OuterState:
@@ -85,8 +87,12 @@ class OuterSync:
 
     def send_delta(self, delta_Rxn, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
         """`send` from Δ already computed (`delta`)."""
+        return self.with_pending(outer, p, self.average(delta_Rxn, key, contrib_R))
+
+    def average(self, delta_Rxn, key: jax.Array, contrib_R: jax.Array) -> jax.Array:
+        """The exchanged FP32 average (n_p,) of the replicas' Δ (`send_delta` without the pending write)."""
         keys_R = jax.random.split(key, delta_Rxn.shape[0])
-        return self.with_pending(outer, p, self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32)))
+        return self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32))
 
     def split_unit(self) -> int:
         """Elements of one chip's slice must be a multiple of this for its encoding to be the unsharded
@@ -154,18 +160,22 @@ class OuterSync:
 
     # -- update and merge --------------------------------------------------------------------------
     def update(self, outer: OuterState, p: int) -> OuterState:
-        g_n = self.frags.flatten(outer.params, p)
-        upd_n, opt_p = self.tx.update(outer.pending[p], outer.opt[p], g_n)
-        return outer.replace(params=self.frags.unflatten(outer.params, p, g_n + upd_n),
-                             opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
+        params, opt_p = self.outer_step(outer.params, outer.opt[p], outer.pending[p], p)
+        return outer.replace(params=params, opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
 
-    def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array):
-        g_n = self.frags.flatten(outer.params, p)
+    def outer_step(self, g_params, opt_p, pending_n: jax.Array, p: int, starts=None):
+        """One Nesterov step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state)."""
+        g_n = self.frags.flatten(g_params, p, starts)
+        upd_n, opt_p = self.tx.update(pending_n, opt_p, g_n)
+        return self.frags.unflatten(g_params, p, g_n + upd_n, starts), opt_p
+
+    def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array, starts=None):
+        g_n = self.frags.flatten(outer.params, p, starts)
 
         def one(theta, m):
-            local_n = self.frags.flatten(theta, p)
+            local_n = self.frags.flatten(theta, p, starts)
             merged = self.alpha * local_n + (1.0 - self.alpha) * g_n
-            return self.frags.unflatten(theta, p, jnp.where(m, merged, local_n))
+            return self.frags.unflatten(theta, p, jnp.where(m, merged, local_n), starts)
 
         return jax.vmap(one)(params_R, mask_R)
 
