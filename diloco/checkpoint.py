@@ -180,6 +180,17 @@ class Checkpointer:
                                                       meta=ocp.args.JsonSave(meta)), force=True)
         self.mngr.wait_until_finished()
 
+    def latest_meta(self) -> dict:
+        """The sidecar of the newest checkpoint alone (no array read), {} when there is none or it cannot
+        be read (restore then decides): lets a run refuse a data state it cannot continue before the
+        model state is restored."""
+        for step in reversed(self.steps()):
+            try:
+                return dict(self.mngr.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))["meta"])
+            except Exception:  # noqa: BLE001  (classified by restore())
+                return {}
+        return {}
+
     def restore(self, abstract_state, quarantine: bool = False) -> tuple[int, Any, dict] | None:
         """(step, state, sidecar) of the newest checkpoint that restores and matches its checksum; None
         when there is none. A corrupt one is skipped with a warning and, with `quarantine` (the trainer)

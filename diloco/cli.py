@@ -40,8 +40,13 @@ def compile_cache() -> None:
     """JAX's persistent compilation cache under $DILOCO_CACHE/jax (a user's JAX_COMPILATION_CACHE_DIR
     wins): a second run of the same shapes loads its programs instead of compiling them again."""
     from diloco.data.batches import cache_dir
+    from diloco.errors import ConfigError
 
-    root = cache_dir()
+    try:
+        root = cache_dir()
+    except ConfigError as e:  # DILOCO_CACHE=gs://…: one line, before anything makes a local "gs:" folder
+        print(f"diloco: bad input: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if root is not None and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = str(root / "jax")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -117,7 +117,7 @@ class Run:
         from diloco import distributed as dist
         from diloco.checkpoint import Checkpointer
         from diloco.config import to_json, validate
-        from diloco.data import HostBatches, eval_batches
+        from diloco.data import eval_batches, train_batches
         from diloco.faults import Faults
         from diloco.rundir import RunDir, is_remote, require
         from diloco.trainer import Trainer, check_fits_host
@@ -153,17 +153,16 @@ class Run:
                 tr.overlap.timeline = self.timeline
         self.faults = Faults(cfg, tr.R)
         self.ck = Checkpointer(self.run.ckpt, cfg.keep_checkpoints)
+        # Each process reads only the rows of the global batch its devices hold (diloco/data/batches.py);
+        # the reader is made from the newest checkpoint's data state first, so that a data state this
+        # run cannot continue is refused before the model state is restored.
+        self.batch_shape = (tr.R, cfg.batch_size // tr.R, cfg.seq_len)
         try:  # a checkpoint this run cannot use stops it (CheckpointError), unless --fresh set it aside
+            self.data = train_batches(cfg, tr.batch_sharding, self.batch_shape, self.ck.latest_meta().get("data"))
             got = self.ck.restore(tr.abstract_state(), quarantine=True)
         except BaseException:
             self.ck.close()
             raise
-        # Each process reads only the blocks of the global batch its devices hold (diloco/data/batches.py).
-        readers = int(cfg.get("data_readers", 0)) or dist.num_processes()
-        self.batch_shape = (tr.R, cfg.batch_size // tr.R, cfg.seq_len)
-        self.data = HostBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, readers,
-                                dist.reader_blocks(tr.batch_sharding, self.batch_shape, readers) if readers > 1 else [0],
-                                split="train", seed=cfg.seed, data_dir=cfg.data_dir or None)
         self.data_rows = self.data.rows()
         self.counters = Counters()
         losses: list[float] = []
@@ -249,6 +248,8 @@ class Run:
         row = {"step": t, "tokens": t * self.tokens_per_step, "train_loss": self.window.take_mean(),
                "lr": float(self.tr.lr_schedule(t)), "bytes_exchanged": self.counters.bytes_exchanged,
                "seconds": round(self.counters.wall_seconds, 3), "tokens_per_s": round(tok_s, 1)}
+        if hasattr(self.data, "batch_hash"):  # a token store: which rows step t's global batch held
+            row["data_hash"] = self.data.batch_hash(t - 1, t)
         if t % cfg.eval_every == 0 or t == cfg.steps:
             if cfg.eval_drain == "every" and self.tr.driver is not None:
                 drained, row["drained_fragments"] = self.drained(t)
@@ -359,9 +360,7 @@ class Run:
 
         devs = ",".join(str(d.id) for d in jax.local_devices())
         return (f"diloco host {self.dist.process_index()}/{self.dist.num_processes()}: devices [{devs}] "
-                f"({jax.local_devices()[0].platform}); data blocks {self.data.blocks} of {self.data.readers}, "
-                f"shards {self.data.shards_read()[:8]}{'…' if len(self.data.shards_read()) > 8 else ''}; "
-                f"tokens read {tokens:,}")
+                f"({jax.local_devices()[0].platform}); {self.data.describe()}; tokens read {tokens:,}")
 
 
 def train(cfg, workdir: str | os.PathLike, progress: bool = True, stop_after: int | None = None,

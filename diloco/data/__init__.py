@@ -1,10 +1,10 @@
 """Config strings → seqio Tasks → int32 token batches (TensorFlow/seqio are imported lazily, on first use).
 
-data: stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<glob> | jsonl:<glob> | text:<glob>
+data: stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<glob> | jsonl:<glob> | text:<glob> | tokens:<store>
 vocab: byte | sentencepiece:<path>
 """
 
-from diloco.data.batches import HostBatches, TokenBatches, cache_dir, eval_batches
+from diloco.data.batches import HostBatches, TokenBatches, cache_dir, eval_batches, train_batches
 from diloco.data.specs import corpus_info, parse_data, parse_vocab, validate_data
 
 
@@ -37,4 +37,4 @@ def get_vocabulary(spec: str = "byte") -> Vocabulary:
     return Vocabulary(spec)
 
 
-__all__ = ["HostBatches", "TokenBatches", "cache_dir", "corpus_info", "eval_batches", "Vocabulary", "get_vocabulary", "parse_data", "parse_vocab", "validate_data"]
+__all__ = ["HostBatches", "TokenBatches", "cache_dir", "train_batches", "corpus_info", "eval_batches", "Vocabulary", "get_vocabulary", "parse_data", "parse_vocab", "validate_data"]

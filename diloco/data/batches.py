@@ -22,8 +22,13 @@ STATE_VERSION = 1
 
 
 def cache_dir() -> Path | None:
-    """$DILOCO_CACHE (default ~/.cache/diloco); 'none' disables the on-disk token cache."""
+    """$DILOCO_CACHE (default ~/.cache/diloco); 'none' disables the on-disk token cache. A remote URL
+    (gs://…) is refused: the cache is this machine's disk (a token store may live on gs://)."""
     d = os.environ.get("DILOCO_CACHE", "~/.cache/diloco")
+    if "://" in d:
+        raise ConfigError("DILOCO_CACHE", f"{d!r} is a remote URL; the token cache must be a local folder (unset "
+                          "DILOCO_CACHE for ~/.cache/diloco). Put a corpus on gs:// as a token store: "
+                          "`diloco data tokenize --out gs://…`, then --config.data=tokens:gs://…")
     return None if d.lower() in ("", "none", "off", "0") else Path(os.path.expanduser(d))
 
 
@@ -135,6 +140,10 @@ class TokenBatches:
         self.data, self.vocab, self.split, self.data_dir = data, vocab or "byte", split, data_dir
         self.seq_len, self.batch_size, self.seed, self.pack, self.shuffle = seq_len, batch_size, int(seed), pack, shuffle
         self.store = ShardStore(specs.parse_data(data, data_dir), self.vocab, split)
+        from diloco.data.store import source_identity
+
+        src = source_identity(self.store.spec, split)  # what the stream is made of, not where it lies
+        self.content = hashlib.sha256(json.dumps(src, sort_keys=True).encode()).hexdigest()[:16]
         self.reader = (int(reader[0]), int(reader[1]))
         self.shard_ids = list(range(self.store.n))[self.reader[0]::self.reader[1]]
         if not self.shard_ids:
@@ -268,17 +277,21 @@ class TokenBatches:
         extra = {} if self.reader == (0, 1) else {"reader": list(self.reader)}
         return {**extra, "version": STATE_VERSION, "data": self.data, "vocab": self.vocab, "split": self.split, "seed": self.seed,
                 "pack": self.pack, "shuffle": self.shuffle, "seq_len": self.seq_len, "num_shards": self.store.n,
+                "content": self.content,
                 "epoch": epoch, "shard": shard, "pos": pos, "batches": batches}
 
     def set_state(self, state: dict) -> None:
         """Continue exactly where get_state() was taken (batch_size may differ; with pack=True so may seq_len)."""
         mine = self.get_state()
         keys = ["version", "data", "vocab", "split", "seed", "pack", "shuffle", "num_shards"] + ([] if self.pack else ["seq_len"])
+        keys += ["content"] if "content" in state else []  # states written before the content digest: not checked
         bad = {k: (state.get(k), mine[k]) for k in keys if state.get(k) != mine[k]}
         if list(state.get("reader", [0, 1])) != list(self.reader):
             bad["reader"] = (state.get("reader", [0, 1]), list(self.reader))
         if bad:
-            raise ConfigError("data", f"data state does not match this iterator ({', '.join(f'{k}: saved {a!r} vs now {b!r}' for k, (a, b) in bad.items())}); resume with the same data config")
+            hint = (" (the corpus's files or TFDS dataset_info.json changed: another version or copy of the data)"
+                    if "content" in bad else "")
+            raise ConfigError("data", f"data state does not match this iterator ({', '.join(f'{k}: saved {a!r} vs now {b!r}' for k, (a, b) in bad.items())}){hint}; resume with the same data config")
         self.close()
         self.epoch, self.shard, self.pos, self.batches = (int(state[k]) for k in ("epoch", "shard", "pos", "batches"))
         self._consumed = self._cursor()
@@ -320,6 +333,10 @@ class HostBatches:
         self.readers, self.blocks, self.rows_per = readers, list(blocks), batch_size // readers
         self.seq_len = seq_len
         self.parts = [TokenBatches(data, vocab, seq_len, self.rows_per, reader=(k, readers), **kw) for k in self.blocks]
+
+    def describe(self) -> str:
+        shards = self.shards_read()
+        return f"data blocks {self.blocks} of {self.readers}, shards {shards[:8]}{'…' if len(shards) > 8 else ''}"
 
     def rows(self) -> list[int]:
         """Global (flattened) row index of each local row next() returns."""
@@ -370,7 +387,46 @@ class HostBatches:
             p.close()
 
 
+def train_batches(cfg, sharding, shape: tuple[int, int, int], saved: dict | None = None):
+    """This process's reader of a run's train split: the rows of the (R, b, L) global batch its devices
+    hold. tokens:<store> → reader.StoreBatches (any process count); else HostBatches, whose reader count
+    K is the checkpoint's when resuming (data_readers=0) and refused, naming the store, when this run's
+    devices cannot hold K whole blocks. `saved`: the checkpoint's data state (checked here, before the
+    model state is read)."""
+    from diloco import distributed as dist
+
+    store = specs.store_path(cfg.data)
+    if store is not None:
+        from diloco.data.reader import StoreBatches, local_row_ids
+
+        it = StoreBatches(store, cfg.seq_len, cfg.batch_size, cfg.seed, local_row_ids(sharding, shape))
+    else:
+        if saved and saved.get("kind") == "tokens":
+            raise ConfigError("data", f"the checkpoint's data was read from the token store {saved.get('store_path')} "
+                              f"(fingerprint {saved.get('store')}), this run reads {cfg.data!r}; resume with "
+                              f"--config.data=tokens:{saved.get('store_path')}")
+        readers = int(cfg.get("data_readers", 0))
+        if not readers:
+            readers = (len(saved["readers"]) if "readers" in saved else 1) if saved else dist.num_processes()
+        try:
+            blocks = dist.reader_blocks(sharding, shape, readers) if readers > 1 else [0]  # 1: every process reads all
+        except ConfigError as e:
+            why = f"the checkpoint's data was read by {readers} reader(s); " if saved else ""
+            raise ConfigError("data_readers", f"{why}{str(e).split(': ', 1)[1]}. The per-host shard reader cannot "
+                              "change its reader count; a run that must resume on another host count reads a token "
+                              "store (`diloco data tokenize`, --config.data=tokens:STORE)") from None
+        it = HostBatches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size, readers, blocks, split="train",
+                         seed=cfg.seed, data_dir=cfg.data_dir or None)
+    if saved:
+        it.set_state(saved)
+    return it
+
+
 def eval_batches(data: str, vocab: str, seq_len: int, batch_size: int, num_batches: int, data_dir: str | None = None) -> list[np.ndarray]:
     """The first num_batches packed batches of the validation split in source order (wrapping if short)."""
+    if specs.store_path(data) is not None:
+        from diloco.data.reader import store_eval_batches
+
+        return store_eval_batches(specs.store_path(data), seq_len, batch_size, num_batches)
     it = TokenBatches(data, vocab, seq_len, batch_size, split="validation", data_dir=data_dir, shuffle=False, prefetch=0)
     return [next(it) for _ in range(num_batches)]

@@ -161,6 +161,9 @@ class StoreBatches:
         self.store.close()
 
     # -- state (the same number on every process) -----------------------------------------------------
+    def describe(self) -> str:
+        return f"token store {self.store.fingerprint}, {len(self.local)} of {self.batch_size} rows per step"
+
     def tokens_read(self) -> int:
         return self.step * len(self.local) * self.seq_len
 
