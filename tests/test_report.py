@@ -277,7 +277,7 @@ def test_t_interval_calls_inconclusive_what_two_se_called_agrees():
     """By hand: per-seed gaps 2 % and 3 % (n = 2): mean 2.5, sd 0.70711, SE 0.5. ±2·SE = [1.5, 3.5] lies in
     the band [0, 5] (agrees); the 95 % t-interval, t(1) = 12.7062 (tables), is ±6.3531 = [−3.85, 8.85]
     (inconclusive). With 8 seeds of sd 0.70711 (SE 0.25, t(7) = 2.3646: ±0.5912) the t-interval agrees."""
-    from diloco.report.claims import judge
+    from diloco.report.judge import judge
     from diloco.report.records import paired_gap_pct, paired_stats, t_quantile
 
     assert math.isclose(t_quantile(1), 12.7062, rel_tol=1e-5) and math.isclose(t_quantile(2), 4.3027, rel_tol=1e-4)
@@ -369,7 +369,7 @@ def test_committed_rows_are_judged_again_without_their_runs(tmp_path):
 
 
 def test_changed_from_marks_a_verdict_that_moved_and_only_that():
-    from diloco.report.claims import mark_changes
+    from diloco.report.judge import mark_changes
 
     old = pd.DataFrame({"claim": list("abcde"), "ours": ["1", "2", "3", "4", "5"],
                         "verdict": ["agrees", "agrees", "inconclusive", "disagrees", "agrees"],
@@ -414,7 +414,7 @@ def test_readme_claims_block_is_regenerated_from_the_table(tmp_path):
 
 
 def _claims_rows_by_scale(scale: str):
-    from diloco.report.claims import planned_seeds
+    from diloco.report.judge import planned_seeds
 
     c = _read_claims(report.PAPER_DIR.parent / "claims.csv")
     c = c[c.ours_gap_pct.notna()]  # rows with an interval (not the counted bytes)
@@ -442,7 +442,7 @@ def test_committed_claims_have_the_planned_seeds(scale):
     runs = pd.read_csv(report.PAPER_DIR.parent / "runs.csv")
     runs = runs[runs.sweep.str.startswith(("claims_headline_", "claims_tau_alpha_")) & (runs.status == "done")
                 & runs.sweep.str.endswith(f"_{scale}")]
-    from diloco.report.claims import planned_seeds
+    from diloco.report.judge import planned_seeds
 
     seeds = runs.groupby(["sweep", "base_point"]).seed.nunique()
     assert len(seeds) and all(k >= planned_seeds(sw) for (sw, _), k in seeds.items()), seeds.to_dict()

@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from diloco.errors import ConfigError
-from diloco.report.claims import claims_table, verdict, write_claims, write_readme_block
+from diloco.report.claims import claims_table, write_claims, write_readme_block
+from diloco.report.judge import verdict
 from diloco.report.plots import plot_ablation, plot_loss_curves
 from diloco.report.records import POWER, PAPER_DIR, collapse, is_difference, load_runs, read_json
 from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_table, bytes_table, eval_noise, table1,

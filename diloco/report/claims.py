@@ -1,27 +1,21 @@
-"""The paper's claims a toy scale can test: one row per claim from the claims sweeps, with a verdict,
-written to results/claims.md.
-
-A row's interval is mean ± t·SE of its paired per-seed gaps, Student's t at 95 % (two-sided, df = n − 1;
-records.py says, above CONFIDENCE, why t and not ±2·SE or a bootstrap). claims.csv keeps, besides the interval,
-what decides it (`n`, `ours_gap_pct` = the mean, `ours_sd_pct` = the per-seed sd, `ours_se_pct`,
-`ours_df`), so a row whose runs are not under the root is re-judged from the CSV alone when the rule
-changes (`rejudge`; rows written before these columns existed carried ±2·SE in `ours_unc_pct`, from
-which sd = unc·√n/2). `changed_from` says how a verdict moved from the table it replaces,
-`seeds_needed` how many seeds would decide an inconclusive row (records.seeds_needed), and a row with
-fewer seeds than its sweep plans says so ("n=2 < 3 planned").
+"""The paper's claims a toy scale can test, as data: CLAIMS holds one definition per claim (what it says,
+the paper's source, the sweep and rows it compares, the band its verdict is judged against, the paper's
+number, a note); `evaluate` makes a definition's row from one sweep's records, `claims_table` every row
+the records allow, and `write_claims` results/claims.md and .csv (rows judged by report/judge.py).
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
 
-from diloco.report.records import (CONFIDENCE, POWER, REPO, paired_stats, paper, seeds_needed, t_quantile,
-                                   welch)
+from diloco.report.judge import claim_row, mark_changes, rejudge
+from diloco.report.records import CONFIDENCE, POWER, paired_stats, paper, t_quantile, welch
 from diloco.report.tables import which_params_by_seed
 from diloco.report.write import KEYS, markdown, merge_committed, provenance, provenance_text, write_if_changed
 
@@ -32,287 +26,285 @@ COLUMNS = ["claim", "paper_source", "ours", "ours_gap_pct", "ours_ci_pct", "ours
 README_BEGIN, README_END = "<!-- claims:begin", "<!-- claims:end -->"
 
 
-def verdict(gap: float, unc: float, lo: float, hi: float) -> str:
-    """The paper's claim as a band [lo, hi] for a gap: 'agrees' when the whole interval gap ± unc lies
-    in the band, 'disagrees' when it lies wholly outside, else 'inconclusive'; with no uncertainty
-    (n < 2 seeds) always 'inconclusive (n<2)'."""
-    if gap is None or not np.isfinite(gap):
-        return "no runs"
-    if unc is None or not np.isfinite(unc):
-        return "inconclusive (n<2)"
-    if lo <= gap - unc and gap + unc <= hi:
-        return "agrees"
-    if gap + unc < lo or gap - unc > hi:
-        return "disagrees"
-    return "inconclusive"
+# -- the claims: one definition per claim, judged by `evaluate` -------------------------------------------
+SCALES = ("35M", "100M", "200M", "300M", "500M", "1B")  # the paper's Table 5 scales its ranges span
+DP_TB, OURS_TB = 441, 1.10  # Table 1: TB DP and Streaming DiLoCo FP4 H=100 exchange (×401)
 
 
-def judge(mean: float, se: float, df: float, lo: float, hi: float) -> tuple[float, str]:
-    """(half-width t_{df}·se of the 95 % interval, verdict) — NaN and 'inconclusive (n<2)' without an SE."""
-    ci = t_quantile(df) * se if se is not None and np.isfinite(se) and df and df > 0 else np.nan
-    return ci, verdict(mean, ci, lo, hi)
+class PaperNumbers:
+    """The paper's numbers the claims quote (results/paper/): Table 5 and 6 eval losses by (scale,
+    method), Table 3's by the parameters evaluated; gaps in %."""
+
+    def __init__(self):
+        p = paper("c4_scaling")
+        self.t5 = p[p.source == "streaming_diloco_v1:table5"].set_index(["scale", "method"]).eval_loss
+        self.t6 = p[p.source == "streaming_diloco_v1:table6"].set_index(["scale", "method"]).eval_loss
+        self.wp = paper("which_params").set_index("params_evaluated").eval_loss
+
+    def gaps(self, a: str, b: str) -> list[float]:
+        """Table 5's gap of method a over b at each of SCALES."""
+        return [pct_gap(self.t5[(s, a)], self.t5[(s, b)]) for s in SCALES]
+
+    def span(self, a: str, b: str) -> str:
+        g = self.gaps(a, b)
+        return f"{min(g):+.2f}…{max(g):+.2f}% (35M…1B)"
+
+    def range_to_dp(self, method: str) -> str:
+        return f"gap to DP {self.span(method, 'data_parallel')}; 35M {self.gaps(method, 'data_parallel')[0]:+.2f}%"
+
+    def table6_gap(self, a: str, b: str, scale: str = "35M") -> float:
+        return pct_gap(self.t6[(scale, a)], self.t6[(scale, b)])
+
+    def table3_gap(self, a: str, b: str) -> float:
+        return pct_gap(self.wp[a], self.wp[b])
+
+    def trend(self) -> str:
+        g = [pct_gap(self.t5[(s, "streaming_ovl_fp4_h30")], self.t5[(s, "data_parallel")]) for s in ("35M", "1B")]
+        return f"35M {g[0]:+.2f}% → 1B {g[1]:+.2f}% (H=30)"
 
 
-def _fmt_gap(g: float, u: float, n: int, planned: int | None = None, unit: str = "%") -> str:
-    if g is None or not np.isfinite(g):
-        return ""
-    s = f"{g:+.2f}{unit}"
-    short = f" < {planned} planned" if planned and n < planned else ""
-    return s + (f" ± {u:.2f}{unit}" if u is not None and np.isfinite(u) else "") + f" (n={n}{short})"
+def pct_gap(a: float, b: float) -> float:
+    return 100 * (a / b - 1)
 
 
-def _band(lo: float, hi: float) -> str:
-    f = lambda x: "−∞" if x == -np.inf else "+∞" if x == np.inf else f"{x:+g}%"
-    return f"[{f(lo)}, {f(hi)}]"
+@dataclass(frozen=True)
+class Claim:
+    """One testable claim of [SD]. `sweep`: the sweep family it reads (sweeps/claims.py groups; a row per
+    sweep of the family in the records, its claim text suffixed ' — at toy' for the headline family's
+    non-tiny scales); `compare`: the rows compared, by `kind`:
+      gap         (a, b): the gap of row a over row b in %, paired by seed;
+      gap_change  ((a, b), (c, d)): gap(a over b) − gap(c over d), per seed, in percentage points;
+      bytes_total (ours, dp): dp's total bytes / ours against the paper's ×401 scaled by H/100;
+      bytes_peak  (ours, diloco): ours's peak bytes per sync / diloco's against ours's largest fragment share;
+      trend       (): gap to DP at tiny − at toy (trend_row; the claims budget's from the headline rows).
+    A row is named by its point in the sweep (the part after 'scale+' for the headline family, 'tau=T,
+    alpha=A' for tau_alpha, the pattern for pattern); 'a|b': the first of them present; 'point#which':
+    the which_params evaluation `which` (first_replica, replica_average, outer_params) of that point's
+    checkpoints. `band`: the interval of the gap (in %, or pp) the claim stands for — for the bytes kinds,
+    of ours / expected − 1. `paper`: the paper's number, text or made from PaperNumbers."""
+    claim: str
+    source: str
+    sweep: str
+    compare: tuple
+    band: tuple[float, float]
+    paper: str | Callable[[PaperNumbers], str]
+    note: str = ""
+    kind: str = "gap"
 
 
-def _parse_band(text) -> tuple[float, float] | None:
-    """_band's text back to (lo, hi); None for a band that is not an interval of the gap (the bytes rows)."""
-    m = re.fullmatch(r"\[(\S+), (\S+)\]", str(text))
-    if not m:
+INF = np.inf
+HL, FP4 = "claims_headline", "streaming_ovl_fp4_h30"
+CLAIMS: tuple[Claim, ...] = (
+    Claim(HEADLINE, "Table 5", HL, (FP4, "dp"), (-1.0, 1.0), lambda p: p.range_to_dp(FP4), "band: within 1 % of DP"),
+    Claim("DiLoCo (H=30) ≈ DP at equal tokens", "Table 5", HL, ("diloco_h30", "dp"), (-1.0, 1.0),
+          lambda p: p.range_to_dp("diloco_h30"),
+          "band: within 1 % of DP; outer lr tuned for this row (sweeps/tune_outer_lr.py)"),
+    Claim("Fragmenting alone (Streaming α=0, τ=0, FP32 vs DiLoCo) costs nothing", "Table 5 / Fig. 4", HL,
+          ("streaming_h30,alpha=0.0", "diloco_h30"), (-0.5, 0.5), "Streaming ≈ DiLoCo at every scale (Fig. 4)",
+          "rows differ only in P (3 vs 1)"),
+    Claim("Merging α=0.5 vs α=0 (Streaming, τ=0, FP32)", "§2.3 / Fig. 8 at τ=0", HL,
+          ("streaming_h30", "streaming_h30,alpha=0.0"), (-INF, 0.5), "α=0.5 no worse than α=0 at small τ",
+          "rows differ only in α"),
+    Claim("Overlap τ=1 costs little (α=0.5, FP32)", "Fig. 8", HL, ("streaming_ovl_h30", "streaming_h30"),
+          (-INF, 0.5), "< 0.2 % up to τ = 10", "band: ≤ +0.5 %"),
+    Claim("FP4 (E3M0) outer gradients = FP32", "Fig. 11", HL, (FP4, "streaming_ovl_h30"), (-0.5, 0.5),
+          "FP32 → FP4: no loss", "band: ±0.5 %"),
+    Claim("H=100 costs a little over H=30", "Table 5", HL, ("streaming_ovl_fp4_h100", FP4), (0.0, 2.0),
+          lambda p: p.span("streaming_ovl_fp4_h100", FP4),
+          "toy H: 33 vs 10; band: (0, +2 %]"),
+    Claim("More replicas at a fixed token budget cost a little (M=4 vs 2, fixed global batch)", "Table 6 / Fig. 12",
+          HL, (f"{FP4},4|{FP4}+4", FP4), (0.0, 5.0),
+          lambda p: f"35M: {p.table6_gap('streaming_ovl_fp4_m4_h30', 'streaming_ovl_fp4_m2_h30'):+.2f}%",
+          "band: (0, +5 %]"),
+    Claim("Total bytes: Streaming FP4 H=100 ≪ DP", "Table 1", HL, ("streaming_ovl_fp4_h100", "dp"), (-0.25, 0.25),
+          "441 TB / 1.10 TB = ×401 at H=100", "bytes are counted, not measured: no seed spread", "bytes_total"),
+    Claim("Peak bandwidth: Streaming (FP32) / DiLoCo = its largest fragment's share", "§3.1 / Fig. 6", HL,
+          ("streaming_ovl_h30", "diloco_h30"), (-0.02, 0.02), "8× lower at 1B (24 blocks, 3 per fragment)",
+          "tiny: 3 fragments of 1 block, the first with the embeddings", "bytes_peak"),
+    # Table 3's ordering, from the final method's checkpoints (drained), paired by seed
+    Claim("Table 3: θᵍ beats the first replica", "Table 3", HL, (f"{FP4}#first_replica", f"{FP4}#outer_params"),
+          (0.0, INF), lambda p: f"first replica {p.table3_gap('first_replica', 'outer_params'):+.2f}% over θᵍ",
+          "drained θᵍ; first replica minus θᵍ"),
+    Claim("Table 3: θᵍ no worse than the replica average", "Table 3", HL,
+          (f"{FP4}#replica_average", f"{FP4}#outer_params"), (0.0, INF),
+          lambda p: f"replica average {p.table3_gap('replica_average', 'outer_params'):+.2f}% over θᵍ",
+          "drained θᵍ"),
+    Claim("Table 3: the replicas drift apart (first replica worse than their average)", "Table 3", HL,
+          (f"{FP4}#first_replica", f"{FP4}#replica_average"), (1.0, INF),
+          lambda p: f"first replica {p.table3_gap('first_replica', 'replica_average'):+.2f}% over the average",
+          "band: ≥ +1 %. Without this spread, Table 3's ordering is θᵍ vs the replica average alone"),
+    # τ = 5: the claim's τ (fixed, so the row's key is stable across regenerations)
+    Claim("τ ≤ 5 costs little with α=0.5", "Fig. 8", "claims_tau_alpha", ("tau=5,alpha=0.5", "tau=0,alpha=0.5"),
+          (-INF, 0.5), "< 0.2 % up to τ = 10; advice τ ≤ 5", "band: ≤ +0.5 %"),
+    Claim("α=0.5 beats α=0 more at τ=5 than at τ=0", "Fig. 8", "claims_tau_alpha",
+          (("tau=5,alpha=0.5", "tau=5,alpha=0.0"), ("tau=0,alpha=0.5", "tau=0,alpha=0.0")), (-INF, 0.0),
+          "α=0.5 helps increasingly with τ", "(gap α=0.5 vs α=0 at τ) − (same at τ=0), in percentage points",
+          "gap_change"),
+    Claim("Strided ≥ sequential fragments", "Fig. 6a / Fig. 7", "claims_pattern", ("sequential", "strided"),
+          (0.0, INF), "strided slightly better", "sequential minus strided"),
+    # gap(tiny) − gap(toy): the quick budget's from the c4_scaling records (or the committed Table 5); the
+    # claims budget's from the two headline rows (scale_trend, so that it follows them when either is only
+    # in the committed table)
+    Claim(f"{TREND} — quick budget", "Table 5", "c4_scaling", (), (0.0, INF), PaperNumbers.trend,
+          "gap(tiny) − gap(toy), percentage points", "trend"),
+    Claim(TREND, "Table 5", HL, (), (0.0, INF), PaperNumbers.trend, "gap(tiny) − gap(toy), percentage points",
+          "trend"),
+)
+BY_CLAIM = {d.claim: d for d in CLAIMS}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a sweep family names its rows and says which runs a claims row came from."""
+    key: Callable[[object], str]
+    runs: Callable[[str, pd.DataFrame], str]
+    at_scale: bool = False  # claims of a non-tiny sweep say ' — at <scale>'
+
+
+def _outer_lrs(g: pd.DataFrame) -> str:  # the outer lr the runs used (the spec's may have changed since)
+    lrs = sorted({float(x) for x in g.get("outer_lr", pd.Series(dtype=float)).dropna()})
+    return f", outer lr {'/'.join(f'{x:g}' for x in lrs)}" if lrs else ""
+
+
+def _tokens_per_param(g: pd.DataFrame) -> float:
+    return g.tokens.iloc[0] / g.params.iloc[0] if g.params.iloc[0] else np.nan
+
+
+FAMILIES = {  # in the order their rows are written
+    "claims_headline": Family(
+        lambda r: r.point.split("+", 1)[1] if "+" in r.point else r.point,
+        lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps, {_tokens_per_param(g):.1f} tokens/param{_outer_lrs(g)})",
+        at_scale=True),
+    "claims_tau_alpha": Family(
+        lambda r: f"tau={int(r.tau)},alpha={float(r.alpha)}",
+        lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps, H={int(g.H.iloc[0])}{_outer_lrs(g)})"),
+    "claims_pattern": Family(
+        lambda r: str(r.pattern),
+        lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps — the quick budget, untuned lrs; "
+                      f"{int(g.fragments.iloc[0])} fragments)"),
+}
+
+
+class SweepRows:
+    """One sweep's rows (collapse()d records) by the names the claims use."""
+
+    def __init__(self, family: str, sweep: str, g: pd.DataFrame, run_records: pd.DataFrame | None):
+        fam = FAMILIES[family]
+        self.sweep, self.run_records = sweep, run_records
+        self.by = {fam.key(r): r for r in g.itertuples()}
+        self.runs = fam.runs(sweep, g)
+        scale = sweep.removeprefix(family + "_")
+        self.at = f" — at {scale}" if fam.at_scale and scale != "tiny" else ""  # tiny is the headline
+        self._evals: dict[str, dict] = {}
+
+    def row(self, ref: str):
+        return next((self.by[k] for k in ref.split("|") if k in self.by), None)
+
+    def losses(self, ref: str) -> dict[int, float]:
+        """{seed: eval loss} of a row ('point', 'a|b', 'point#which'); {} when absent."""
+        point, _, which = ref.partition("#")
+        if which:
+            r = self.by.get(point)
+            if r is None:
+                return {}
+            if point not in self._evals:  # evaluated (or read from which_params.json) once per sweep
+                self._evals[point] = which_params_by_seed(self.run_records, self.sweep, r.point)
+            return self._evals[point].get(which, {})
+        return next((self.by[k].losses for k in point.split("|") if k in self.by and self.by[k].losses), {})
+
+
+def _seed_gaps(a: dict, b: dict) -> dict[int, float]:
+    return {s: pct_gap(a[s], b[s]) for s in set(a) & set(b)}
+
+
+def evaluate(d: Claim, s: SweepRows, p: PaperNumbers) -> dict | None:
+    """The claims row of definition d on one sweep's rows; None when its rows are absent."""
+    paper_txt = d.paper(p) if callable(d.paper) else d.paper
+    if d.kind in ("bytes_total", "bytes_peak"):  # deterministic accounting, no seed spread
+        ours, other = (s.row(k) for k in d.compare)
+        if ours is None or other is None:
+            return None
+        if d.kind == "bytes_total":
+            if not ours.bytes_exchanged_total:
+                return None
+            ratio = other.bytes_exchanged_total / ours.bytes_exchanged_total
+            expect = DP_TB / OURS_TB * ours.H / 100  # the paper's 400× at H=100 scales with H
+            text = f"DP/ours ×{ratio:.0f} at H={int(ours.H)}"
+            band = f"×{expect:.0f} ± {100 * d.band[1]:g} % (the paper's ×401 scaled by H/100)"
+        else:
+            if not other.bytes_peak_per_sync:
+                return None
+            ratio, expect = ours.bytes_peak_per_sync / other.bytes_peak_per_sync, ours.largest_fragment_share
+            text = f"×{ratio:.3f} (largest fragment {expect:.3f} of the parameters)"
+            band = f"ours = largest fragment share ± {100 * d.band[1]:g} %"
+        lo, hi = d.band
+        return {"claim": d.claim + s.at, "paper_source": d.source, "ours": text, "n": int(ours.n), "paper": paper_txt,
+                "band_for_verdict": band, "verdict": "agrees" if lo <= ratio / expect - 1 <= hi else "disagrees",
+                "runs": s.runs, "note": d.note}
+    if d.kind == "gap":
+        mean, sd, n = paired_stats(s.losses(d.compare[0]), s.losses(d.compare[1]))
+    elif d.kind == "gap_change":
+        (a, b), (c, e) = d.compare
+        mean, sd, n = paired_stats(_seed_gaps(s.losses(a), s.losses(b)), _seed_gaps(s.losses(c), s.losses(e)),
+                                   pct=False)
+    else:
+        raise ValueError(f"claim {d.claim!r}: kind {d.kind!r} is evaluated by trend_row, not per sweep")
+    if mean is None or not np.isfinite(mean):  # a comparison whose runs are absent: no row
         return None
-    try:
-        return tuple(-np.inf if x == "−∞" else np.inf if x == "+∞" else float(x.rstrip("%")) for x in m.groups())
-    except ValueError:
-        return None
+    return claim_row(d.claim + s.at, d.source, s.runs, mean, sd, n, d.band, paper_txt, d.note)
 
 
-@functools.lru_cache(maxsize=None)
-def _sweep_seeds(group: str, scale: str) -> int | None:
-    from diloco.sweep import load_sweep
-
-    try:
-        return load_sweep(f"{REPO / 'sweeps' / 'claims.py'}:{group},{scale}")["seeds"]
-    except Exception:  # a group or scale sweeps/claims.py no longer has: no plan to compare with
-        return None
-
-
-def planned_seeds(runs: str) -> int | None:
-    """Seeds sweeps/claims.py plans for the claims sweeps a row's `runs` names (the fewest, for a row
-    made of two); None when it names none."""
-    got = [_sweep_seeds(g, s) for g, s in re.findall(r"claims_(headline|tau_alpha|pattern|table3)_([A-Za-z0-9-]+)",
-                                                       str(runs))]
-    got = [k for k in got if k]
-    return min(got) if got else None
-
-
-def _needed_text(v: str, mean: float, sd: float, band: tuple[float, float]) -> str:
-    if v != "inconclusive" or not np.isfinite(sd):
-        return ""
-    k = seeds_needed(mean, sd, *band)
-    return str(k) if k is not None else "> 10000"
-
-
-def finish(row: dict) -> dict:
-    """Interval, verdict, `ours` text, seeds planned and seeds needed of a row from its mean, se, df, sd,
-    n and band; rows whose band is not a gap's interval (bytes) are returned as they are."""
-    band = _parse_band(row.get("band_for_verdict"))
-    mean = row.get("ours_gap_pct")
-    if band is None or mean is None or not np.isfinite(mean):
-        return row
-    n = int(row["n"])
-    planned = planned_seeds(row.get("runs", ""))
-    ci, v = judge(mean, row.get("ours_se_pct", np.nan), row.get("ours_df", np.nan), *band)
-    row.update(ours=_fmt_gap(mean, ci, n, planned), ours_ci_pct=ci, verdict=v, seeds_planned=planned,
-               seeds_needed=_needed_text(v, mean, row.get("ours_sd_pct", np.nan), band))
-    return row
-
-
-def rejudge(row: dict) -> dict:
-    """A committed row whose runs are not under the root, judged again by today's rule from its CSV
-    columns; a row from before `ours_sd_pct` (±2·SE in `ours_unc_pct`): sd = unc·√n/2, df = n − 1."""
-    row = dict(row)
-    unc = row.pop("ours_unc_pct", np.nan)
-    n = int(row["n"]) if pd.notna(row.get("n")) else 0
-    row["n"] = n
-    sd = row.get("ours_sd_pct", np.nan)
-    if not pd.notna(sd) and n >= 2 and pd.notna(unc):
-        sd = unc * math.sqrt(n) / 2
-        row.update(ours_sd_pct=sd, ours_se_pct=sd / math.sqrt(n), ours_df=n - 1)
-    return finish(row)
-
-
-def _row(claim, source, runs, mean, sd, n, band, paper_txt, note="", se=None, df=None) -> dict:
-    """A claims row from the mean, sd and n of paired per-seed gaps (or an explicit se and df)."""
-    if se is None:
-        se = sd / math.sqrt(n) if n > 1 and np.isfinite(sd) else np.nan
-        df = n - 1 if n > 1 else np.nan
-    return finish({"claim": claim, "paper_source": source, "ours": "", "ours_gap_pct": mean, "ours_ci_pct": np.nan,
-                   "ours_sd_pct": sd, "ours_se_pct": se, "ours_df": df, "n": n, "seeds_planned": None,
-                   "paper": paper_txt, "band_for_verdict": _band(*band), "verdict": "", "changed_from": "",
-                   "seeds_needed": "", "runs": runs, "note": note})
-
-
-def _trend_paper() -> str:
-    t5 = paper("c4_scaling")
-    t5 = t5[t5.source == "streaming_diloco_v1:table5"].set_index(["scale", "method"]).eval_loss
-    g = [100 * (t5[(s, "streaming_ovl_fp4_h30")] / t5[(s, "data_parallel")] - 1) for s in ("35M", "1B")]
-    return f"35M {g[0]:+.2f}% → 1B {g[1]:+.2f}% (H=30)"
-
-
-def trend_row(claim: str, runs: str, tiny: tuple, toy: tuple) -> dict:
+def trend_row(d: Claim, runs: str, tiny: tuple, toy: tuple) -> dict:
     """gap(tiny) − gap(toy) from each scale's (mean, sd, n): different runs, so Welch's interval (its
     df); `ours_sd_pct` is √(sd_tiny² + sd_toy²), the sd seeds_needed uses for n seeds at each scale."""
     (m1, s1, n1), (m2, s2, n2) = tiny, toy
     if n1 > 1 and n2 > 1 and np.isfinite(s1) and np.isfinite(s2):
-        d, se, df = welch(m1, s1, n1, m2, s2, n2)
+        diff, se, df = welch(m1, s1, n1, m2, s2, n2)
         sd = math.hypot(s1, s2)
     else:
-        d, se, df, sd = m1 - m2, np.nan, np.nan, np.nan
-    return _row(claim, "Table 5", runs, d, sd, min(n1, n2), (0.0, np.inf), _trend_paper(),
-                "gap(tiny) − gap(toy), percentage points", se=se, df=df)
+        diff, se, df, sd = m1 - m2, np.nan, np.nan, np.nan
+    paper_txt = d.paper(PaperNumbers()) if callable(d.paper) else d.paper
+    return claim_row(d.claim, d.source, runs, diff, sd, min(n1, n2), d.band, paper_txt, d.note, se=se, df=df)
 
 
-def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None,
-                 run_records: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per testable claim of [SD], from the claims sweeps (sweeps/claims.py) in the records;
-    claims whose runs are absent get no row (a committed row is then kept by write_table). `run_records`:
-    the per-run records (load_runs) behind `agg`, for the Table 3 rows' checkpoints (none without)."""
-    p = paper("c4_scaling")
-    t5 = p[p.source == "streaming_diloco_v1:table5"].set_index(["scale", "method"]).eval_loss
-    t6 = p[p.source == "streaming_diloco_v1:table6"].set_index(["scale", "method"]).eval_loss
-    wp = paper("which_params").set_index("params_evaluated").eval_loss
-    out = []
-
-    def pg(a, b):
-        return 100 * (a / b - 1)
-
-    def outer_lrs(g) -> str:  # the outer lr the runs used (the spec's may have changed since)
-        lrs = sorted({float(x) for x in g.get("outer_lr", pd.Series(dtype=float)).dropna()})
-        return f", outer lr {'/'.join(f'{x:g}' for x in lrs)}" if lrs else ""
-
-    def add(claim, source, runs, stats, band, paper_txt, note=""):
-        mean, sd, n = stats  # paired_stats of the per-seed gaps
-        if mean is None or not np.isfinite(mean):  # a comparison whose runs are absent: no row
-            return
-        out.append(_row(claim, source, runs, mean, sd, n, band, paper_txt, note))
-
-    for sweep, g in agg[agg.sweep.str.startswith("claims_headline_") & (agg.status == "done")].groupby("sweep"):
-        by = {r.point.split("+", 1)[1] if "+" in r.point else r.point: r for r in g.itertuples()}
-        L = lambda k: (by[k].losses if k in by else {})
-        steps = int(g.steps.iloc[0])
-        tok = g.tokens.iloc[0] / g.params.iloc[0] if g.params.iloc[0] else np.nan
-        runs = f"{sweep} ({steps} steps, {tok:.1f} tokens/param{outer_lrs(g)})"
-        scale = sweep.removeprefix("claims_headline_")
-        at = "" if scale == "tiny" else f" — at {scale}"  # tiny is the headline; other scales' rows say so
-
-        def hadd(claim, *a, **k):
-            add(claim + at, *a, **k)
-
-        gaps35 = [pg(t5[(s, "streaming_ovl_fp4_h30")], t5[(s, "data_parallel")]) for s in
-                  ("35M", "100M", "200M", "300M", "500M", "1B")]
-        hadd(HEADLINE, "Table 5", runs,
-            paired_stats(L("streaming_ovl_fp4_h30"), L("dp")), (-1.0, 1.0),
-            f"gap to DP {min(gaps35):+.2f}…{max(gaps35):+.2f}% (35M…1B); 35M {gaps35[0]:+.2f}%",
-            "band: within 1 % of DP")
-        dgaps = [pg(t5[(s, "diloco_h30")], t5[(s, "data_parallel")]) for s in ("35M", "100M", "200M", "300M", "500M", "1B")]
-        hadd("DiLoCo (H=30) ≈ DP at equal tokens", "Table 5", runs,
-            paired_stats(L("diloco_h30"), L("dp")), (-1.0, 1.0),
-            f"gap to DP {min(dgaps):+.2f}…{max(dgaps):+.2f}% (35M…1B); 35M {dgaps[0]:+.2f}%",
-            "band: within 1 % of DP; outer lr tuned for this row (sweeps/tune_outer_lr.py)")
-        hadd("Fragmenting alone (Streaming α=0, τ=0, FP32 vs DiLoCo) costs nothing", "Table 5 / Fig. 4", runs,
-            paired_stats(L("streaming_h30,alpha=0.0"), L("diloco_h30")), (-0.5, 0.5),
-            "Streaming ≈ DiLoCo at every scale (Fig. 4)", "rows differ only in P (3 vs 1)")
-        hadd("Merging α=0.5 vs α=0 (Streaming, τ=0, FP32)", "§2.3 / Fig. 8 at τ=0", runs,
-            paired_stats(L("streaming_h30"), L("streaming_h30,alpha=0.0")), (-np.inf, 0.5),
-            "α=0.5 no worse than α=0 at small τ", "rows differ only in α")
-        hadd("Overlap τ=1 costs little (α=0.5, FP32)", "Fig. 8", runs,
-            paired_stats(L("streaming_ovl_h30"), L("streaming_h30")), (-np.inf, 0.5),
-            "< 0.2 % up to τ = 10", "band: ≤ +0.5 %")
-        hadd("FP4 (E3M0) outer gradients = FP32", "Fig. 11", runs,
-            paired_stats(L("streaming_ovl_fp4_h30"), L("streaming_ovl_h30")), (-0.5, 0.5),
-            "FP32 → FP4: no loss", "band: ±0.5 %")
-        h = [pg(t5[(s, "streaming_ovl_fp4_h100")], t5[(s, "streaming_ovl_fp4_h30")]) for s in
-             ("35M", "100M", "200M", "300M", "500M", "1B")]
-        hadd("H=100 costs a little over H=30", "Table 5", runs,
-            paired_stats(L("streaming_ovl_fp4_h100"), L("streaming_ovl_fp4_h30")), (0.0, 2.0),
-            f"{min(h):+.2f}…{max(h):+.2f}% (35M…1B)", "toy H: 33 vs 10; band: (0, +2 %]")
-        m4 = pg(t6[("35M", "streaming_ovl_fp4_m4_h30")], t6[("35M", "streaming_ovl_fp4_m2_h30")])
-        hadd("More replicas at a fixed token budget cost a little (M=4 vs 2, fixed global batch)",
-            "Table 6 / Fig. 12", runs, paired_stats(L("streaming_ovl_fp4_h30,4") or L("streaming_ovl_fp4_h30+4"),
-                                                       L("streaming_ovl_fp4_h30")), (0.0, 5.0),
-            f"35M: {m4:+.2f}%", "band: (0, +5 %]")
-        # Bytes: deterministic accounting, no seed spread.
-        r100, rdp, rdil, rovl = (by.get(k) for k in ("streaming_ovl_fp4_h100", "dp", "diloco_h30", "streaming_ovl_h30"))
-        if r100 is not None and rdp is not None and r100.bytes_exchanged_total:
-            ratio = rdp.bytes_exchanged_total / r100.bytes_exchanged_total
-            expect = 441 / 1.10 * r100.H / 100  # the paper's 400× at H=100 scales with H
-            ok = abs(ratio / expect - 1) <= 0.25
-            out.append({"claim": "Total bytes: Streaming FP4 H=100 ≪ DP" + at, "paper_source": "Table 1",
-                        "ours": f"DP/ours ×{ratio:.0f} at H={int(r100.H)}", "n": int(r100.n), "paper": "441 TB / 1.10 TB = ×401 at H=100",
-                        "band_for_verdict": f"×{expect:.0f} ± 25 % (the paper's ×401 scaled by H/100)",
-                        "verdict": "agrees" if ok else "disagrees", "runs": runs,
-                        "note": "bytes are counted, not measured: no seed spread"})
-        if rovl is not None and rdil is not None and rdil.bytes_peak_per_sync:
-            ratio = rovl.bytes_peak_per_sync / rdil.bytes_peak_per_sync
-            share = rovl.largest_fragment_share
-            out.append({"claim": "Peak bandwidth: Streaming (FP32) / DiLoCo = its largest fragment's share" + at,
-                        "paper_source": "§3.1 / Fig. 6", "ours": f"×{ratio:.3f} (largest fragment {share:.3f} "
-                        f"of the parameters)", "n": int(rovl.n),
-                        "paper": "8× lower at 1B (24 blocks, 3 per fragment)",
-                        "band_for_verdict": "ours = largest fragment share ± 2 %",
-                        "verdict": "agrees" if abs(ratio / share - 1) <= 0.02 else "disagrees", "runs": runs,
-                        "note": "tiny: 3 fragments of 1 block, the first with the embeddings"})
-        # Table 3's ordering, from the final method's checkpoints (drained), paired by seed.
-        r = by.get("streaming_ovl_fp4_h30")
-        if r is not None:
-            ev = which_params_by_seed(run_records, sweep, r.point)
-            if ev:
-                first, avg, outer = ev["first_replica"], ev["replica_average"], ev["outer_params"]
-                hadd("Table 3: θᵍ beats the first replica", "Table 3", runs, paired_stats(first, outer),
-                    (0.0, np.inf), f"first replica {pg(wp['first_replica'], wp['outer_params']):+.2f}% over θᵍ",
-                    "drained θᵍ; first replica minus θᵍ")
-                hadd("Table 3: θᵍ no worse than the replica average", "Table 3", runs, paired_stats(avg, outer),
-                    (0.0, np.inf), f"replica average {pg(wp['replica_average'], wp['outer_params']):+.2f}% over θᵍ",
-                    "drained θᵍ")
-                hadd("Table 3: the replicas drift apart (first replica worse than their average)", "Table 3", runs,
-                     paired_stats(first, avg), (1.0, np.inf),
-                     f"first replica {pg(wp['first_replica'], wp['replica_average']):+.2f}% over the average",
-                     "band: ≥ +1 %. Without this spread, Table 3's ordering is θᵍ vs the replica average alone")
-    for sweep, g in agg[agg.sweep.str.startswith("claims_tau_alpha_") & (agg.status == "done")].groupby("sweep"):
-        key = {(int(r.tau), float(r.alpha)): r.losses for r in g.itertuples()}
-        steps = int(g.steps.iloc[0])
-        runs = f"{sweep} ({steps} steps, H={int(g.H.iloc[0])}{outer_lrs(g)})"
-        tmax = 5  # the claim's τ (fixed, so the row's key is stable across regenerations)
-        if (tmax, 0.5) in key and (0, 0.5) in key:
-            add(f"τ ≤ {tmax} costs little with α=0.5", "Fig. 8", runs, paired_stats(key[(tmax, 0.5)], key[(0, 0.5)]),
-                (-np.inf, 0.5), "< 0.2 % up to τ = 10; advice τ ≤ 5", "band: ≤ +0.5 %")
-        if all(k in key for k in ((0, 0.0), (0, 0.5), (tmax, 0.0), (tmax, 0.5))):
-            d0 = {s: pg(key[(0, 0.5)][s], key[(0, 0.0)][s]) for s in set(key[(0, 0.5)]) & set(key[(0, 0.0)])}
-            dt = {s: pg(key[(tmax, 0.5)][s], key[(tmax, 0.0)][s]) for s in set(key[(tmax, 0.5)]) & set(key[(tmax, 0.0)])}
-            add(f"α=0.5 beats α=0 more at τ={tmax} than at τ=0", "Fig. 8", runs, paired_stats(dt, d0, pct=False),
-                (-np.inf, 0.0), "α=0.5 helps increasingly with τ",
-                "(gap α=0.5 vs α=0 at τ) − (same at τ=0), in percentage points")
-    for sweep, g in agg[agg.sweep.str.startswith("claims_pattern_") & (agg.status == "done")].groupby("sweep"):
-        key = {str(r.pattern): r.losses for r in g.itertuples()}
-        if "strided" in key and "sequential" in key:
-            r0 = g.iloc[0]
-            add("Strided ≥ sequential fragments", "Fig. 6a / Fig. 7",
-                f"{sweep} ({int(r0.steps)} steps — the quick budget, untuned lrs; {int(r0.fragments)} fragments)",
-                paired_stats(key["sequential"], key["strided"]), (0.0, np.inf),
-                "strided slightly better", "sequential minus strided")
-    # The quick budget's scale trend (c4_scaling, one seed); the claims budget's is made from the two
-    # headline rows by write_claims, so that it follows them when either is only in the committed table.
+def _quick_trend_gaps(agg: pd.DataFrame, committed_table5: pd.DataFrame | None) -> dict[str, dict]:
+    """{sweep: {scale: (mean, sd, n)}} of Streaming's gap to DP in the c4_scaling sweeps (M = 2); without
+    both scales in the records, from the committed Table 5 (the quick budget; one seed unless it has n;
+    its ± is 2·SE), which still says which way the gap went."""
     sc = agg[agg.sweep.str.startswith("c4_scaling") & (agg.status == "done")]
     sc = sc[pd.to_numeric(sc.replicas, errors="coerce") == 2]
-    gaps = {}
+    gaps: dict[str, dict] = {}
     for (sweep, scale), g in sc.groupby(["sweep", "scale"]):
         by = {r.label: r for r in g.itertuples()}
-        if "data_parallel" in by and "streaming_ovl_fp4_h30" in by:
-            gaps.setdefault(sweep, {})[scale] = paired_stats(by["streaming_ovl_fp4_h30"].losses,
-                                                             by["data_parallel"].losses)
-    if not any("tiny" in d and "toy" in d for d in gaps.values()) and committed_table5 is not None and {"scale", "method", "gap_to_dp_pct"} <= set(committed_table5):
-        # no c4_scaling records under the root: the committed Table 5 (the quick budget; one seed
-        # unless it has n; its ± is 2·SE) still says which way the gap went
-        t = committed_table5[committed_table5.method == "streaming_ovl_fp4_h30"]
+        if "data_parallel" in by and FP4 in by:
+            gaps.setdefault(sweep, {})[scale] = paired_stats(by[FP4].losses, by["data_parallel"].losses)
+    if not any("tiny" in d and "toy" in d for d in gaps.values()) and committed_table5 is not None \
+            and {"scale", "method", "gap_to_dp_pct"} <= set(committed_table5):
+        t = committed_table5[committed_table5.method == FP4]
         for _, r in t.iterrows():
             n = int(r["n"]) if "n" in t and pd.notna(r.get("n")) else 1
             u = r.get("gap_to_dp_pct_unc", np.nan)
             gaps.setdefault("c4_scaling (committed table5_c4_scaling.csv)", {})[r.scale] = (
                 float(r.gap_to_dp_pct), float(u) * math.sqrt(n) / 2 if pd.notna(u) else np.nan, n)
-    for sweep, d in gaps.items():
+    return gaps
+
+
+def claims_table(agg: pd.DataFrame, committed_table5: pd.DataFrame | None = None,
+                 run_records: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per claim of CLAIMS and sweep of its family in the records (sweeps/claims.py), then the
+    quick budget's trend; claims whose runs are absent get no row (a committed row is then kept by
+    write_claims). `run_records`: the per-run records (load_runs) behind `agg`, for the Table 3 rows'
+    checkpoints (none without)."""
+    p = PaperNumbers()
+    out = []
+    for family in FAMILIES:
+        defs = [d for d in CLAIMS if d.sweep == family and d.kind != "trend"]
+        for sweep, g in agg[agg.sweep.str.startswith(family + "_") & (agg.status == "done")].groupby("sweep"):
+            s = SweepRows(family, sweep, g, run_records)
+            out += [r for r in (evaluate(d, s, p) for d in defs) if r is not None]
+    for sweep, d in _quick_trend_gaps(agg, committed_table5).items():
         if "tiny" in d and "toy" in d:
-            out.append(trend_row(f"{TREND} — quick budget", sweep, d["tiny"], d["toy"]))
+            out.append(trend_row(BY_CLAIM[f"{TREND} — quick budget"], sweep, d["tiny"], d["toy"]))
     return pd.DataFrame(out, columns=COLUMNS)
 
 
@@ -324,34 +316,13 @@ def scale_trend(c: pd.DataFrame) -> pd.DataFrame:
         return c
     stats = [tuple(rows.loc[k, ["ours_gap_pct", "ours_sd_pct", "n"]]) for k in (HEADLINE, f"{HEADLINE} — at toy")]
     (m1, s1, n1), (m2, s2, n2) = [(float(m), float(sd), int(n)) for m, sd, n in stats]
-    row = trend_row(TREND, "claims_headline_tiny + claims_headline_toy", (m1, s1, n1), (m2, s2, n2))
+    row = trend_row(BY_CLAIM[TREND], "claims_headline_tiny + claims_headline_toy", (m1, s1, n1), (m2, s2, n2))
     new = pd.DataFrame([row], columns=c.columns)
     if TREND in rows.index:
         c = c.copy()
         c.loc[c.claim == TREND, list(c.columns)] = new.iloc[0].values
         return c
     return pd.concat([c, new], ignore_index=True)
-
-
-def mark_changes(c: pd.DataFrame, old: pd.DataFrame | None) -> pd.DataFrame:
-    """`changed_from` of each row against the table it replaces: 'before → now' where the verdict moved;
-    the old note kept where neither the verdict nor the `ours` cell moved (a rebuild from the same runs
-    says the same); blank otherwise."""
-    c = c.copy()
-    prev = {} if old is None or old.empty else {r["claim"]: r for r in old.to_dict("records")}
-    marks = []
-    for r in c.itertuples():
-        o = prev.get(r.claim)
-        if o is None:
-            marks.append("")
-        elif str(o.get("verdict")).split(" (")[0] != r.verdict.split(" (")[0]:  # '(n<2)' is no verdict of its own
-            marks.append(f"{o.get('verdict')} → {r.verdict}")
-        elif o.get("ours") == r.ours and isinstance(o.get("changed_from"), str):
-            marks.append(o["changed_from"])
-        else:
-            marks.append("")
-    c["changed_from"] = marks
-    return c
 
 
 def _scales(runs: str) -> str:
