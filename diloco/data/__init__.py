@@ -5,7 +5,8 @@ vocab: byte | sentencepiece:<path>
 """
 
 from diloco.data.batches import HostBatches, TokenBatches, cache_dir, eval_batches, train_batches
-from diloco.data.specs import corpus_info, parse_data, parse_vocab, validate_data
+from diloco.data.specs import parse_data, parse_vocab
+from diloco.data.store import corpus_info, validate_data
 
 
 class Vocabulary:

@@ -77,11 +77,13 @@ def global_rows(positions, n_rows: int, batch: int, seed: int) -> np.ndarray:
     return out
 
 
-def local_row_ids(sharding, shape: tuple[int, int, int]) -> list[int]:
-    """Flattened rows (r·b + j of the (R, b, L) global batch) that this process's devices hold."""
+def local_row_ids(sharding, shape: tuple[int, int, int], devices=None) -> list[int]:
+    """Flattened rows (r·b + j of the (R, b, L) global batch) that this process's devices (or `devices`) hold."""
     R, b, _ = shape
     rows: set[int] = set()
-    for idx in sharding.addressable_devices_indices_map(shape).values():
+    held = (sharding.addressable_devices_indices_map(shape) if devices is None else
+            {d: i for d, i in sharding.devices_indices_map(shape).items() if d in set(devices)})
+    for idx in held.values():
         for r in range(R)[idx[0]]:
             rows.update(r * b + j for j in range(b)[idx[1]])
     return sorted(rows)

@@ -192,10 +192,7 @@ def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, spl
         raise ConfigError("seq_len", f"seq_len={seq_len!r} must be an int >= 2")
     parse_vocab(vocab)
     if store_path(data) is not None:
-        from diloco.data.store import check_store
-
-        check_store(store_path(data), vocab, seq_len, splits=(split,))
-        return
+        raise ConfigError("data", f"{data!r} is a token store: check it with diloco.data.store.check_store")
     spec = parse_data(data, data_dir)
     if spec.kind == "tfds":
         splits = tfds_split_info(spec.root)
@@ -234,12 +231,6 @@ def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, spl
 
 def corpus_info(data: str, data_dir: str | None = None) -> dict:
     """Facts about the corpus for the run summary (no TensorFlow needed)."""
-    if store_path(data) is not None:
-        from diloco.data.store import read_manifest
-
-        man = read_manifest(store_path(data))
-        return {"data": data, "kind": "tokens", "store_fingerprint": man["fingerprint"], "vocab": man["vocab"],
-                "splits": {k: {"source": v["source"], "tokens": v["tokens"], "docs": v["docs"]} for k, v in man["splits"].items()}}
     spec = parse_data(data, data_dir)
     info: dict = {"data": data, "kind": spec.kind}
     if spec.kind == "tfds":

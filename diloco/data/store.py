@@ -318,6 +318,24 @@ class Store:
         self._maps.clear()
 
 
+def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, split: str = "train") -> None:
+    """specs.validate_data, and for 'tokens:<store>' the store's manifest checked against vocab and seq_len."""
+    if specs.store_path(data) is None:
+        return specs.validate_data(data, vocab, data_dir, seq_len, split)
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+        raise ConfigError("seq_len", f"seq_len={seq_len!r} must be an int >= 2")
+    check_store(specs.store_path(data), vocab, seq_len, splits=(split,))
+
+
+def corpus_info(data: str, data_dir: str | None = None) -> dict:
+    """specs.corpus_info, or a token store's identity (fingerprint, vocabulary, sources, counts)."""
+    if specs.store_path(data) is None:
+        return specs.corpus_info(data, data_dir)
+    man = read_manifest(specs.store_path(data))
+    return {"data": data, "kind": "tokens", "store_fingerprint": man["fingerprint"], "vocab": man["vocab"],
+            "splits": {k: {"source": v["source"], "tokens": v["tokens"], "docs": v["docs"]} for k, v in man["splits"].items()}}
+
+
 def info(store: str) -> dict:
     """The manifest, plus rows at a few seq_len values, for `diloco data info STORE`."""
     man = read_manifest(store)

@@ -1,0 +1,273 @@
+"""The token store (diloco/data/store.py) and its global-index reader (diloco/data/reader.py): default tier."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diloco.data import reader, store
+from diloco.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _val(rel: str) -> bool:  # the text/stdlib split rule of diloco/data/specs.py, restated
+    return int(hashlib.md5(rel.encode()).hexdigest()[:8], 16) % 1000 < 20
+
+
+def make_text_corpus(root: Path, n_train: int = 36, n_val: int = 2, size: int = 120_000) -> str:
+    """n_train + n_val deterministic text files (~size bytes each), named so that n_val of them fall
+    into the validation split; returns the data spec."""
+    rng = np.random.default_rng(0)
+    words = np.array(["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "\n"])
+    root.mkdir(parents=True, exist_ok=True)
+    train = val = i = 0
+    while train < n_train or val < n_val:
+        name, i = f"doc{i:04d}.txt", i + 1
+        is_val = _val(name)
+        if (is_val and val >= n_val) or (not is_val and train >= n_train):
+            continue
+        (root / name).write_text(" ".join(rng.choice(words, size // 5)))
+        val, train = val + is_val, train + (not is_val)
+    return f"text:{root}/*.txt"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_text_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def st(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("store") / "s"
+    store.tokenize(corpus, "byte", str(out), workers=1, progress=False)
+    return str(out)
+
+
+# -- the keyed permutation and the order rule ----------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 1000, 4097])
+def test_permute_is_a_bijection_of_every_size(n):
+    for seed, epoch in [(0, 0), (1, 0), (0, 1)]:
+        y = reader.permute(np.arange(n), n, seed, epoch)
+        assert sorted(y.tolist()) == list(range(n))
+    if n >= 16:  # keyed: another seed or epoch is another order
+        a = reader.permute(np.arange(n), n, 0, 0)
+        assert not np.array_equal(a, reader.permute(np.arange(n), n, 1, 0))
+        assert not np.array_equal(a, reader.permute(np.arange(n), n, 0, 1))
+
+
+def test_order_rule_by_hand():
+    """N=10 rows, B=4: an epoch is 2 steps (8 positions); positions 8..15 are epoch 1; the 2 rows an epoch
+    leaves out are perm_e(8), perm_e(9)."""
+    n, b, seed = 10, 4, 7
+    got = reader.global_rows(np.arange(24), n, b, seed)
+    p0, p1, p2 = (reader.permute(np.arange(10), 10, seed, e) for e in range(3))
+    assert got[:8].tolist() == p0[:8].tolist()
+    assert got[8:16].tolist() == p1[:8].tolist()
+    assert got[16:24].tolist() == p2[:8].tolist()
+    assert len(set(got[:8].tolist())) == 8
+
+
+def test_a_store_smaller_than_a_batch_is_refused():
+    with pytest.raises(ConfigError, match="fewer than the global batch 8"):
+        reader.global_rows(np.arange(3), 5, 8, 0)
+
+
+# -- the store's rows are the corpus's tokens ----------------------------------------------------------
+def test_rows_are_the_concatenated_parts_and_tokens_equal_the_seqio_tokens(corpus, st):
+    from diloco.data import batches, specs
+
+    man = store.read_manifest(st)
+    s = store.Store(st, "train")
+    assert len(s.files) > 1 and man["splits"]["train"]["tokens"] == s.tokens
+    spec = specs.parse_data(corpus)
+    shards = batches.ShardStore(spec, "byte", "train")  # the tokens a run reads today
+    stream = np.concatenate([shards.get(i)[0] for i in range(shards.n)]).astype(np.int32)
+    assert len(stream) == s.tokens and man["splits"]["train"]["docs"] == len(specs.file_split(spec, "train"))
+    L = 1000
+    boundary = int(s.starts[1]) // L  # a row that continues into the second part
+    for r in [0, 1, boundary, s.num_rows(L) - 1]:
+        assert np.array_equal(s.rows([r], L)[0], stream[r * L:(r + 1) * L])
+    assert (stream == 1).sum() == man["splits"]["train"]["docs"]  # one EOS per document
+
+
+# -- the same global batch on any process count and device layout -------------------------------------
+def _sharding(devices, R, data, fsdp):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(devices).reshape(R, data, fsdp), ("replica", "data", "fsdp"))
+    return NamedSharding(mesh, P("replica", ("data", "fsdp")))
+
+
+def _global_batches(st, sharding, shape, processes: int, steps: int, seed=3, start_state=None):
+    """The (steps, R·b, L) global batches assembled from `processes` simulated hosts, each holding a
+    consecutive group of the devices and reading only its own rows; also every host's rows."""
+    R, b, L = shape
+    devs = list(sharding.mesh.devices.reshape(-1))  # process-major, as diloco.distributed.device_grid orders them
+    per = len(devs) // processes
+    out = np.full((steps, R * b, L), -1, np.int32)
+    owned = []
+    for p in range(processes):
+        rows = reader.local_row_ids(sharding, shape, devs[p * per:(p + 1) * per])
+        owned.append(rows)
+        it = reader.StoreBatches(st, L, R * b, seed, rows, prefetch=2)
+        if start_state:
+            it.set_state(start_state)
+        for t in range(steps):
+            out[t, rows] = next(it)
+        it.close()
+    return out, owned
+
+
+def check_layouts(st: str) -> None:
+    """Run with 8 CPU devices (test below): every layout and host count gives the 1-host global batches."""
+    import jax
+
+    devs = jax.devices()
+    assert len(devs) == 8, devs
+    shape = (2, 4, 64)
+    ref, _ = _global_batches(st, _sharding(devs, 2, 2, 2), shape, 1, 6)
+    assert (ref >= 0).all()
+    for layout, procs in [((2, 2, 2), 2), ((2, 2, 2), 4), ((2, 4, 1), 4), ((2, 1, 4), 8), ((2, 4, 1), 1)]:
+        got, owned = _global_batches(st, _sharding(devs, *layout), shape, procs, 6)
+        assert np.array_equal(got, ref), (layout, procs)
+        assert sorted(r for rows in owned for r in rows) == list(range(8))  # each row read by one host
+    print("layouts ok")
+
+
+def test_global_batches_are_identical_on_1_2_4_processes_and_8x1_vs_4x2(st):
+    """1 host × 8 devices vs 2 × 4, 4 × 2 and 8 × 1 over three mesh layouts: the same tokens in every
+    global batch (hosts simulated as groups of one process's 8 CPU devices, each reading only its rows)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=f"{REPO / 'tests'}:{REPO}")
+    r = subprocess.run([sys.executable, "-c", f"import test_store; test_store.check_layouts({st!r})"], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0 and "layouts ok" in r.stdout, r.stderr[-3000:]
+    it = reader.StoreBatches(st, 64, 8, 3)
+    hashes = [it.batch_hash(t, t + 1) for t in range(6)]
+    assert len(set(hashes)) == 6
+    assert reader.StoreBatches(st, 64, 8, 4).batch_hash(0, 1) != hashes[0]  # another seed, another batch
+
+
+def test_an_epoch_reads_every_row_once_across_a_resume_on_another_process_count(st):
+    """B divides N (an exact epoch): 1 host reads part of the epoch, its state resumes on 4 hosts of another
+    layout; every row of the store is read exactly once in the epoch and the tokens are the uninterrupted ones."""
+    s = store.Store(st)
+    L, B = next((L, B) for L in range(4096, 4400) for B in (8,) if s.num_rows(L) % B == 0)
+    n = s.num_rows(L)
+    E = n // B
+    it = reader.StoreBatches(st, L, B, 11)
+    ref = np.stack([next(it) for _ in range(E)])
+    first = reader.StoreBatches(st, L, B, 11)
+    got = [next(first) for _ in range(E // 2)]
+    state = json.loads(json.dumps(first.get_state()))  # as the checkpoint's sidecar stores it
+    assert state["rows_consumed"] == E // 2 * B
+    rest = np.full((E - E // 2, B, L), -1, np.int32)
+    for rows in ([1, 5], [0, 2], [3, 7], [4, 6]):  # 4 hosts, rows interleaved
+        host = reader.StoreBatches(st, L, B, 11, rows)
+        host.set_state(state)
+        for t in range(E - E // 2):
+            rest[t, rows] = next(host)
+        host.close()
+    assert np.array_equal(np.concatenate([np.stack(got), rest]), ref)
+    rows = np.concatenate([it.step_rows(t, local=False) for t in range(E)])
+    assert sorted(rows.tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("n,B", [(10, 4), (37, 6), (64, 8)])
+def test_replicas_never_share_a_row_in_a_step(n, B):
+    """Every step of 5 epochs (also the steps at an epoch's end) holds B distinct rows; an epoch reads no row
+    twice and leaves out exactly N mod B rows."""
+    E = n // B
+    for t in range(5 * E):
+        rows = reader.global_rows(t * B + np.arange(B), n, B, 5)
+        assert len(set(rows.tolist())) == B
+    for e in range(5):
+        rows = reader.global_rows(np.arange(e * E * B, (e + 1) * E * B), n, B, 5)
+        assert len(set(rows.tolist())) == E * B == n - n % B
+
+
+# -- identity: fingerprints, refusals ------------------------------------------------------------------
+def test_a_store_with_another_fingerprint_is_refused_on_resume_naming_both(st, corpus, tmp_path):
+    other = tmp_path / "other"  # the same file names, other text
+    store.tokenize(make_text_corpus(tmp_path / "c2", size=100_000), "byte", str(other), workers=1, progress=False)
+    a = reader.StoreBatches(st, 64, 4, 0)
+    b = reader.StoreBatches(str(other), 64, 4, 0)
+    assert a.store.fingerprint != b.store.fingerprint
+    with pytest.raises(ConfigError, match=f"{a.store.fingerprint}.*{b.store.fingerprint}"):
+        b.set_state(a.get_state())
+    with pytest.raises(ConfigError, match="seq_len: saved 64 vs now 32"):
+        reader.StoreBatches(st, 32, 4, 0).set_state(a.get_state())
+    with pytest.raises(ConfigError, match="vocab"):
+        store.check_store(st, "sentencepiece:" + str(_spm_or_skip()), 64)
+    with pytest.raises(ConfigError, match="diloco data tokenize"):
+        store.read_manifest(str(tmp_path / "nothing"))
+
+
+def _spm_or_skip():
+    p = REPO.parent / "shared" / "data" / "vocab"
+    found = sorted(p.glob("*.model")) if p.is_dir() else []
+    if not found:
+        pytest.skip(f"no SentencePiece model under {p}")
+    return found[0]
+
+
+def test_a_remote_token_cache_is_refused_and_makes_no_local_folder(tmp_path):
+    env = dict(os.environ, DILOCO_CACHE="gs://bucket/cache")
+    r = subprocess.run([sys.executable, "-m", "diloco.cli", "sizes"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "DILOCO_CACHE" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "gs:").exists()
+
+
+# -- tokenize: interrupted and rerun --------------------------------------------------------------------
+def _tokenize_cmd(corpus, out):
+    return [sys.executable, "-m", "diloco.cli", "data", "tokenize", "--data", corpus, "--out", str(out), "--workers", "1"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_tokenize_interrupted_and_rerun_gives_the_uninterrupted_fingerprint(st, corpus, tmp_path, sig):
+    out = tmp_path / "s"
+    env = dict(os.environ, DILOCO_TOKENIZE_PAUSE_S="0.5")  # a window between parts to interrupt in
+    p = subprocess.Popen(_tokenize_cmd(corpus, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while p.poll() is None and time.time() < deadline and not list((out / "train").glob("part-00001-*.json")):
+        time.sleep(0.02)
+    assert p.poll() is None, "tokenize finished before it could be interrupted"
+    p.send_signal(sig)
+    p.communicate(timeout=60)
+    assert p.returncode != 0
+    assert not (out / "manifest.json").exists()  # written last
+    with pytest.raises(ConfigError, match="did not finish"):
+        store.read_manifest(str(out))
+    kept = {f.name: f.stat().st_mtime_ns for f in (out / "train").glob("*.bin")}
+    assert kept
+    r = subprocess.run(_tokenize_cmd(corpus, out), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fingerprint"] == store.read_manifest(st)["fingerprint"]
+    assert {f: (out / "train" / f).stat().st_mtime_ns for f in kept} == kept  # finished parts were not redone
+    assert "tokens/s" in r.stderr and "ETA" in r.stderr
+
+
+def test_tokenize_on_two_processes_gives_the_same_store(st, corpus, tmp_path):
+    man = store.tokenize(corpus, "byte", str(tmp_path / "s2"), workers=2, progress=False)
+    assert man["fingerprint"] == store.read_manifest(st)["fingerprint"]
+
+
+# -- gs:// (the storage emulator) ------------------------------------------------------------------------
+def test_a_store_on_gcs_is_written_and_read(gcs, st, corpus):
+    url = gcs.url("stores", "t")
+    man = store.tokenize(corpus, "byte", url, workers=1, progress=False)
+    assert man["fingerprint"] == store.read_manifest(st)["fingerprint"]
+    assert "stores/t/manifest.json" in gcs.objects("stores/t")
+    local, remote = reader.StoreBatches(st, 128, 8, 2), reader.StoreBatches(url, 128, 8, 2)
+    for _ in range(3):
+        assert np.array_equal(next(local), next(remote))
+    remote.close()
+    store.check_store(url, "byte", 128)
