@@ -68,10 +68,6 @@ def barrier(mesh) -> None:
     f(stack_local(jnp.zeros((1,), jnp.int32), mesh)).block_until_ready()
 
 
-def local_value(x_global):
-    return x_global.addressable_shards[0].data
-
-
 # -- throughput --------------------------------------------------------------------------------------
 def throughput(mb: float, repeats: int = 5) -> dict:
     """Median time of an all-gather of `mb` MB per process over the replica axis."""
