@@ -418,16 +418,20 @@ def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
     if args.max_attempts < 1:
         raise ConfigError("--max-attempts", f"{args.max_attempts} must be ≥ 1")
     preflight.check_names(args.tpu, args.root, sweep["name"])
-    out = Path(args.out or REPO_ROOT / "build" / "tpu" / sweep["name"]).resolve()
+    out = Path(args.out or REPO_ROOT / "build" / "tpu" / sweep["name"] / args.tpu).resolve()
+    bundle.check_out(out, args.tpu)
     sweep = {**sweep, "points": [p for p in sweep["points"] if args.only in p["name"]]}
-    tree = set(bundle.tree_files(exclude=out))
+    tree = set(bundle.tree_files(exclude=out, ship=tuple(args.ship)))
     checked = preflight.check(sweep, args.root, args.accelerator, args.slices, extra, tree, args.check_fit,
                               remote=not args.dry_run)
     for w in dict.fromkeys(checked.warnings):
         print(f"diloco sweep: warning: {w}", file=sys.stderr)
+    for note in checked.notes:
+        print(f"diloco sweep: {note}")
     plan = bundle.write(out, sweep, checked, args.root, args.tpu, args.zone, args.project, extra, args.capacity,
                         args.valid_until, args.service_account, args.network, args.subnetwork, args.internal_ips,
-                        args.max_attempts, args.teardown, args.runtime, generated_by=shlex.join(["diloco", "sweep", *argv]))
+                        args.max_attempts, args.teardown, args.runtime, generated_by=shlex.join(["diloco", "sweep", *argv]),
+                        ship=tuple(args.ship))
     script = out / "launch_tpu.sh"
     if args.dry_run:
         print(script.read_text(), end="")
@@ -483,7 +487,10 @@ def main(argv: list[str]) -> int:
     tpu.add_argument("--teardown", action="store_true", help="delete the queued resource when every point is done")
     tpu.add_argument("--check-fit", default="table", metavar="{table,compile,off}",
                      help="each point's fit in HBM: from results/pod/memory.csv (default), by compiling, or not")
-    tpu.add_argument("--out", default="", help="local folder for the launch bundle (default: build/tpu/<sweep>)")
+    tpu.add_argument("--out", default="", help="local folder for the launch bundle (default: "
+                     "build/tpu/<sweep>/<queued resource>; a non-empty folder that is not its bundle is refused)")
+    tpu.add_argument("--ship", action="append", default=[], metavar="PATH",
+                     help="an untracked file to ship too (the tree is the tracked files as on disk)")
     args = ap.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, args.seeds)

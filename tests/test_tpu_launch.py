@@ -278,7 +278,8 @@ def test_the_tree_is_the_working_tree_as_on_disk_and_its_sha_is_stable(tmp_path)
     (repo / "gone.py").unlink()  # tracked, deleted on disk
     (repo / "out").mkdir()
     (repo / "out" / "bundle.txt").write_text("the bundle folder itself\n")
-    files = bundle.tree_files(repo, exclude=repo / "out")
+    assert bundle.tree_files(repo, exclude=repo / "out") == [".gitignore", "pkg/a.py", "run.sh"]  # tracked only
+    files = bundle.tree_files(repo, exclude=repo / "out", ship=("new.py",))  # an untracked file, listed
     assert files == [".gitignore", "new.py", "pkg/a.py", "run.sh"]
     d1, d2 = tmp_path / "d1", tmp_path / "d2"
     d1.mkdir(), d2.mkdir()
@@ -320,13 +321,13 @@ def test_plan_json_is_the_contract(dry_bundle):
     out, stdout, _ = dry_bundle
     plan = json.loads((out / "plan.json").read_text())
     tar = next(out.glob("tree-*.tar.gz"))
-    base = "gs://bkt/runs/two"
-    assert {k: plan[k] for k in ("version", "sweep", "base", "qr", "zone", "project", "accelerator", "slices",
+    base, ns = "gs://bkt/runs/two", "gs://bkt/runs/two/_pods/pod-1"
+    assert {k: plan[k] for k in ("version", "sweep", "base", "root", "qr", "zone", "project", "accelerator", "slices",
                                  "hosts_per_slice", "chips_per_host", "max_attempts", "teardown")} == {
-        "version": 1, "sweep": "two", "base": base, "qr": "pod-1", "zone": "us-east5-a", "project": "proj",
+        "version": 1, "sweep": "two", "base": ns, "root": base, "qr": "pod-1", "zone": "us-east5-a", "project": "proj",
         "accelerator": "v5p-16", "slices": 2, "hosts_per_slice": 2, "chips_per_host": 4, "max_attempts": 4,
         "teardown": True}
-    assert plan["tree"] == {"url": f"{base}/_launch/{tar.name}", "sha256": bundle.sha256_file(tar)}
+    assert plan["tree"] == {"url": f"{ns}/_launch/{tar.name}", "sha256": bundle.sha256_file(tar)}
     assert plan["lock_sha256"] == bundle.sha256_file(REPO_ROOT / "requirements.lock")
     assert (out / "requirements.lock").read_bytes() == (REPO_ROOT / "requirements.lock").read_bytes()
     assert plan["points"] == [
@@ -336,7 +337,8 @@ def test_plan_json_is_the_contract(dry_bundle):
         {"name": "H=10", "workdir": f"{base}/H=10",
          "argv": ["train", "--config", "experiments/c4_scaling.py:tiny,diloco_h30", "--workdir", f"{base}/H=10",
                   "--no_progress", "--config.H=10", "--config.steps=8"]}]
-    assert plan["env"]["JAX_COMPILATION_CACHE_DIR"] == f"{base}/_launch/jax-cache"
+    assert plan["env"]["JAX_COMPILATION_CACHE_DIR"] == f"{ns}/_launch/jax-cache"
+    assert plan["env"]["EPATH_USE_TF"] == "false"
     assert plan["lost_after_s"] > 0 and plan["stop_grace_s"] > 0
     assert "# dry run: nothing created" in stdout
 
@@ -360,7 +362,8 @@ def test_scripts_carry_every_flag_and_no_secret(dry_bundle):
             "--network=net --subnetwork=sub --internal-ips)") in launch
     assert "SSH_FLAGS=(--tunnel-through-iap)" in launch
     plan = json.loads((out / "plan.json").read_text())
-    assert f"TREE_SHA256={plan['tree']['sha256']}" in startup and "LAUNCH=gs://bkt/runs/two/_launch" in startup
+    assert f"TREE_SHA256={plan['tree']['sha256']}" in startup and "LAUNCH=gs://bkt/runs/two/_pods/pod-1/_launch" in startup
+    assert f"ENV_KEY={plan['lock_sha256'][:12]}" in startup  # the environment is keyed on the lock only
     for text in (launch, startup, (out / "plan.json").read_text()):
         for k, v in os.environ.items():
             if any(w in k.upper() for w in ("TOKEN", "SECRET", "KEY", "PASSWORD", "CREDENTIAL")) and len(v) >= 8:
@@ -368,7 +371,7 @@ def test_scripts_carry_every_flag_and_no_secret(dry_bundle):
         assert "BEGIN PRIVATE KEY" not in text and "access_token" not in text
 
 
-@pytest.mark.parametrize("name", ["launch_tpu.sh", "startup.sh"])
+@pytest.mark.parametrize("name", ["launch_tpu.sh", "startup.sh", "bootstrap.sh"])
 def test_scripts_pass_bash_n_and_shellcheck(dry_bundle, name):
     path = dry_bundle[0] / name
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -460,13 +463,19 @@ def test_up_creates_waits_and_recreates_a_suspended_resource(dry_bundle, tmp_pat
     r = _run_script(script, tmp_path, "up", env={"GCLOUD_AFTER_CREATE": "ACTIVE"})
     assert r.returncode == 0 and "pod-1 is ACTIVE" in r.stdout, r.stderr
     calls = [json.loads(line) for line in recorder.read_text().splitlines()]
-    assert calls[0][:2] == ["storage", "cp"] and calls[0][-1] == "gs://bkt/runs/two/_launch/"
-    assert sorted(Path(p).name for p in calls[0][2:-1]) == sorted(p.name for p in dry_bundle[0].iterdir())
-    assert calls[1] == ["storage", "rm", "gs://bkt/runs/two/_launch/control/stop"]
+    ns = "gs://bkt/runs/two/_pods/pod-1"
+    cp = calls.index(next(c for c in calls if c[:2] == ["storage", "cp"]))
+    assert calls[cp][-1] == f"{ns}/_launch/"
+    assert sorted(Path(p).name for p in calls[cp][2:-1]) == sorted(p.name for p in dry_bundle[0].iterdir()
+                                                                    if p.name != bundle.MARKER)
+    assert calls[cp + 1] == ["storage", "rm", f"{ns}/_launch/control/stop"]
+    # before the upload: this resource's shape, and the other launches on the root
+    assert calls[:cp] == [["compute", "tpus", "queued-resources", "describe", "pod-1", "--zone=us-east5-a",
+                           "--project=proj", "--format=json"], ["storage", "ls", "gs://bkt/runs/two/_pods/*/_launch/plan.json"]]
     create = next(c for c in calls if "create" in c)
     assert create == ["compute", "tpus", "queued-resources", "create", "pod-1", "--zone=us-east5-a", "--project=proj",
                       "--accelerator-type=v5p-16", "--runtime-version=v2-alpha-tpuv5", "--node-count=2",
-                      "--node-prefix=pod-1", f"--metadata-from-file=startup-script={dry_bundle[0]}/startup.sh", "--spot",
+                      "--node-prefix=pod-1", f"--metadata-from-file=startup-script={dry_bundle[0]}/bootstrap.sh", "--spot",
                       "--valid-until-duration=6h", "--service-account=sa@proj.iam.gserviceaccount.com",
                       "--network=net", "--subnetwork=sub", "--internal-ips"]
     (tmp_path / "qr-state").write_text("SUSPENDED")
@@ -474,7 +483,7 @@ def test_up_creates_waits_and_recreates_a_suspended_resource(dry_bundle, tmp_pat
     r = _run_script(script, tmp_path, "up")
     assert r.returncode == 0 and "pod-1 is SUSPENDED: deleting it" in r.stdout
     verbs = [c[3] for c in map(json.loads, recorder.read_text().splitlines()) if c[:3] == ["compute", "tpus", "queued-resources"]]
-    assert verbs == ["describe", "delete", "describe", "create", "describe"]
+    assert verbs.count("delete") == verbs.count("create") == 1 and verbs.index("delete") < verbs.index("create")
 
 
 @pytest.mark.parametrize("after,rc,says", [("FAILED", 1, "pod-1 is FAILED"), ("SUSPENDING", 1, "pod-1 is SUSPENDING"),
@@ -500,7 +509,7 @@ def test_usage_and_logs_without_logs(dry_bundle, tmp_path, recorder):
     r = _run_script(script, tmp_path, "run")
     assert r.returncode == 2 and "usage: bash" in r.stderr
     r = _run_script(script, tmp_path, "logs", "tau=0")
-    assert r.returncode == 1 and "no logs yet under gs://bkt/runs/two/tau=0/logs/" in r.stderr
+    assert r.returncode == 1 and "no logs yet under gs://bkt/runs/two/_pods/pod-1/tau=0/logs/" in r.stderr
 
 
 REAL_GCLOUD = shutil.which("gcloud", path="/usr/bin:/usr/local/bin:/usr/lib/google-cloud-sdk/bin")
@@ -513,7 +522,7 @@ def test_every_generated_gcloud_line_parses_with_the_real_gcloud(dry_bundle, tmp
     namespace with no network and an empty configuration: it must fail for want of an account or a
     project, never for an unknown flag or a missing argument (gcloud's exit 2)."""
     script = dry_bundle[0] / "launch_tpu.sh"
-    recorder_env = {"DILOCO_PYTHON": shutil.which("false"), "GCLOUD_LS": "gs://bkt/runs/two/tau=0/logs/attempt-1/\n"}
+    recorder_env = {"DILOCO_PYTHON": shutil.which("false"), "GCLOUD_LS": "gs://bkt/runs/two/_pods/pod-1/tau=0/logs/attempt-1/\n"}
     for args in (["up"], ["start"], ["status"], ["logs", "tau=0"], ["stop"], ["down"]):
         _run_script(script, tmp_path, *args, env=recorder_env)
     f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp", name="one")
@@ -640,12 +649,13 @@ def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(s
     assert list(gcs.objects()) == ["tfds/c4/en/3.1.0/dataset_info.json"] and not _gcloud_calls(standin)
     plan = json.loads((out / "plan.json").read_text())
     staged = plan["points"][0]["argv"][-1].removeprefix("--config.vocab=sentencepiece:")
-    assert staged == f"{gcs.url('runs/t/_launch')}/{preflight.staged_vocab_name(str(vocab))}"
+    assert staged == f"{gcs.url('runs/t/_pods/pod-1/_launch')}/{preflight.staged_vocab_name(str(vocab))}"
     standin.configure(waiting_s=None)  # the request stays queued: nothing boots
     r = _sh(out / "launch_tpu.sh", "up", env={"UP_WAIT_S": "0"})
     assert r.returncode == 1 and "still WAITING_FOR_RESOURCES" in r.stderr
     assert gcs.read(staged) == vocab.read_bytes()
-    assert {n.rsplit("/", 1)[-1] for n in gcs.objects("runs/t/_launch/")} == {p.name for p in out.iterdir()}
+    assert {n.rsplit("/", 1)[-1] for n in gcs.objects("runs/t/_pods/pod-1/_launch/")} == \
+        {p.name for p in out.iterdir() if p.name != bundle.MARKER}
 
 
 def _lifecycle_sweep(tmp_path, gcs, out) -> list[str]:

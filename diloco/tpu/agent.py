@@ -7,6 +7,7 @@ bucket under BASE = plan["base"], each written whole (diloco.rundir), read fresh
   BASE/_pod/hosts/<s>-<w>.json                   every host, every poll_s: its heartbeat
                                                  {point, attempt, state, pid, child, note, time}
   BASE/_pod/logs/slice<s>-worker<w>.agent.log    the agent's own log
+  BASE/_pod/boot/slice<s>-worker<w>.log          the host's boot log (startup.sh uploads it)
   BASE/<point>/_state/go-<n>.json                the leader: every host runs attempt n now
   BASE/<point>/_state/attempt-<n>/<s>-<w>.start  a host started its child for attempt n
   BASE/<point>/_state/attempt-<n>/<s>-<w>.json   a host's child was reaped (its chips are free):
@@ -58,6 +59,7 @@ from typing import Any, Callable
 
 from diloco.errors import ConfigError
 from diloco.rundir import atomic_write_json, atomic_write_text, path, read_json
+from diloco.tpu.host import free_chips, raise_nofile
 
 LEADER = "0-0"
 ENV_SLICE, ENV_WORKER, ENV_ATTEMPT = "DILOCO_TPU_SLICE", "DILOCO_TPU_WORKER", "DILOCO_TPU_ATTEMPT"
@@ -75,7 +77,7 @@ def load_plan(p: str) -> dict:
     for key in ("base", "sweep", "slices", "hosts_per_slice", "points"):
         if key not in plan:
             raise ConfigError(f"plan.{key}", f"missing from {p}; regenerate it with `diloco sweep … --launch tpu`")
-    for key, default in {**TIMING, "max_attempts": 3, "teardown": False, "env": {}}.items():
+    for key, default in {**TIMING, "max_attempts": 3, "teardown": False, "env": {}, "boot_wait_s": 1800.0}.items():
         plan.setdefault(key, default)
     if int(plan["max_attempts"]) < 1:
         raise ConfigError("plan.max_attempts", f"{plan['max_attempts']} must be ≥ 1")
@@ -105,6 +107,9 @@ class Layout:
 
     def agent_log(self, host: str):
         return self.base / "_pod" / "logs" / f"{label(host)}.agent.log"
+
+    def boot_log(self, host: str):
+        return self.base / "_pod" / "boot" / f"{label(host)}.log"
 
     @property
     def stop(self):
@@ -179,13 +184,20 @@ class PointView:
     status: dict = dataclasses.field(default_factory=dict)             # status.json (the leader's record)
     stop: bool = False
     now: float = 0.0
+    since: float = 0.0                             # when the leader's agent started
+    boot: dict[str, list] = dataclasses.field(default_factory=dict)    # host without heartbeat → boot log tail
+
+
+def boot_tail(text: str | None, n: int = 3) -> list[str]:
+    return [ln.strip() for ln in (text or "").splitlines() if ln.strip()][-n:]
 
 
 def age(beat: dict | None, now: float) -> float:
     return float("inf") if not beat else now - float(beat.get("time", 0))
 
 
-def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: float, stop: bool) -> PointView:
+def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: float, stop: bool,
+              since: float = 0.0) -> PointView:
     """The leader reads every host's files; a follower only its own and the leader's heartbeat."""
     name = point["name"]
     lead = me == LEADER
@@ -206,8 +218,9 @@ def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: f
         if b is not None:
             beats[h] = b
     summary = lead and path(point["workdir"]).joinpath("summary.json").exists()
+    boot = {h: boot_tail(read_text(layout.boot_log(h))) for h in all_hosts if lead and h not in beats}
     return PointView(tuple(all_hosts), go, abort, exits, frozenset(starts), beats, bool(summary),
-                     load(layout.status(name), {}) or {}, stop, now)
+                     load(layout.status(name), {}) or {}, stop, now, since, boot)
 
 
 # -- the leader's decision (pure) ----------------------------------------------------------------------
@@ -234,8 +247,9 @@ def attempts_used(v: PointView) -> int:
     return used + (1 if v.go and not stopped(v) else 0)
 
 
-def decide(v: PointView, max_attempts: int, lost_after_s: float) -> Action:
-    """What the leader does next for this point."""
+def decide(v: PointView, max_attempts: int, lost_after_s: float, boot_wait_s: float = float("inf")) -> Action:
+    """What the leader does next for this point. A host that has sent no heartbeat boot_wait_s after the
+    leader's agent started fails the point (its boot log's last lines in the reason): chips bill meanwhile."""
     n = v.go
     lost = {h for h in v.hosts if age(v.beats.get(h), v.now) > lost_after_s}
 
@@ -259,6 +273,13 @@ def decide(v: PointView, max_attempts: int, lost_after_s: float) -> Action:
             return Action("fail", n, f"attempt {n} (of at most {max_attempts}): {ended_reason(v)}")
     if v.stop:
         return Action("wait", n, "stop requested")
+    never = [h for h in v.hosts if h not in v.beats]
+    if never and v.now - v.since > boot_wait_s:
+        return Action("fail", n, "; ".join(
+            f"{label(h)} never started (no heartbeat {boot_wait_s:.0f} s after the leader's agent started): "
+            + (f"last boot log lines: {' | '.join(v.boot[h])}" if v.boot.get(h) else
+               "no boot log in the bucket (see docs/distributed.md §9: the VM's service account, its journal)")
+            for h in never))
     busy = [gone(h) if h in lost else f"{label(h)} ({v.beats[h].get('state')})" for h in v.hosts
             if h in lost or v.beats[h].get("state") != "idle"]
     if busy:
@@ -408,6 +429,7 @@ class Agent:
         self.state, self.note, self.point, self.attempt = "idle", "", None, 0
         self.last_upload = 0.0
         self.signalled: str | None = None
+        self.t0 = time.time()
 
     # -- small I/O helpers
     def say(self, msg: str) -> None:
@@ -451,6 +473,7 @@ class Agent:
     def child_env(self, n: int) -> dict[str, str]:
         env = dict(os.environ, **{k: str(v) for k, v in self.plan["env"].items()})
         env[ENV_ATTEMPT] = str(n)
+        env["EPATH_USE_TF"] = "false"  # one gs:// client (gcsfs) on every host, the one the tests run
         env.setdefault("PYTHONUNBUFFERED", "1")
         if "DILOCO_COORDINATOR" not in env:
             env.setdefault("DILOCO_DISTRIBUTED", "auto")  # a TPU pod: JAX finds its peers from the metadata
@@ -482,6 +505,8 @@ class Agent:
         rc = self.child.returncode
         self.signal_child(signal.SIGKILL)  # anything it left behind holds no chip either
         point, n = self.child_of
+        for line in free_chips():
+            self.say(line)
         if self.kill:
             reason = self.kill[0] + ("; SIGKILL after the grace period" if self.killed_hard else "")
         elif rc == 0:
@@ -524,7 +549,7 @@ class Agent:
 
     # -- one poll
     def lead_point(self, pt: dict, v: PointView) -> PointView:
-        a = decide(v, int(self.plan["max_attempts"]), float(self.plan["lost_after_s"]))
+        a = decide(v, int(self.plan["max_attempts"]), float(self.plan["lost_after_s"]), float(self.plan["boot_wait_s"]))
         st = next_status(v.status, a, v)
         if a.kind == "go":
             atomic_write_json(self.L.status(pt["name"]), st)
@@ -551,13 +576,13 @@ class Agent:
             self.reap(now)
         pt = self.current_point()
         if pt is not None:
-            v = read_view(self.L, pt, self.hosts, self.me, now, stop)
+            v = read_view(self.L, pt, self.hosts, self.me, now, stop, self.t0)
             if self.lead:  # its own heartbeat is what it knows now, not what it wrote a poll ago
                 beats = {**v.beats, self.me: {"state": "idle" if self.child is None else "running", "time": now}}
                 v = self.lead_point(pt, dataclasses.replace(v, beats=beats))
                 if pt["name"] in self.final:
                     pt = self.current_point()
-                    v = read_view(self.L, pt, self.hosts, self.me, now, stop) if pt else v
+                    v = read_view(self.L, pt, self.hosts, self.me, now, stop, self.t0) if pt else v
             hv = HostView(pt["name"] if pt else None, v.go, self.me in v.exits, self.me in v.starts, v.abort, stop,
                           None if self.lead else age(v.beats.get(LEADER), now), self.child_of, self.kill is not None)
         else:
@@ -642,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="local folder for logs and the child's pid "
                     "(default ~/.diloco-agent/SWEEP)")
     args = ap.parse_args(argv)
+    os.environ["EPATH_USE_TF"] = "false"
     fresh_reads()
+    raise_nofile()
     try:
         plan = load_plan(args.plan)
         s, w = identity()

@@ -38,6 +38,7 @@ class Checked:
     configs: dict = field(default_factory=dict)  # point name → ConfigDict
     vocabs: dict = field(default_factory=dict)  # local .model path → staged file name
     warnings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # what was found, e.g. the exact TFDS directory each point reads
 
 
 def _point_error(e: ConfigError, name: str) -> ConfigError:
@@ -224,21 +225,61 @@ def check_bucket(root: str) -> None:
                           "that the bucket exists and `gcloud auth application-default login` can write to it") from None
 
 
-def check_remote(cfg, name: str) -> None:
-    """The TFDS dataset_info.json on gs:// and a gs:// vocabulary, read through the same libraries the workers use."""
+C4_COPIES = ("c4/en 3.0.1 is the prepared copy the JAX ecosystem reads (MaxText, T5/seqio; the public "
+             "gs://allennlp-tensorflow-datasets/c4 mirror is requester-pays), 3.1.0 what `tfds build c4/en` makes today")
+
+
+def tfds_candidates(d: str, kind: str) -> list[str]:
+    """The prepared TFDS version dirs `data=KIND` could mean under `d`: d itself, or KIND/*/* and KIND/* under it."""
+    from diloco.rundir import path
+
+    p = path(d)
+    if (p / "dataset_info.json").exists():
+        return [str(p)]
+    found = sorted({str(f.parent) for f in [*p.glob(f"{kind}/*/*/dataset_info.json"), *p.glob(f"{kind}/*/dataset_info.json")]})
+    return found
+
+
+def check_tfds_choice(found: list[str], data: str, name: str, kind: str) -> str:
+    """The one directory a point reads; several are refused (the reader would pick one by name)."""
+    if len(found) <= 1:
+        return found[0] if found else ""
+    rel = [f.rsplit(f"/{kind}/", 1)[-1] for f in found]
+    example = next((f for f in found if f.endswith("/c4/en/3.0.1")), found[0])
+    raise ConfigError("data", f"point {name}: data={data} is ambiguous: {len(found)} prepared {kind} copies "
+                      f"({', '.join(f'{kind}/{r}' for r in rel)}); name the one to read, e.g. --set data={kind}:{example}"
+                      + (f" ({C4_COPIES})" if kind == "c4" else ""))
+
+
+def check_remote(cfg, name: str) -> str:
+    """The TFDS dataset_info.json on gs:// and a gs:// vocabulary, read through the same libraries the workers
+    use; the exact TFDS directory the point reads ('' when not TFDS)."""
     from diloco.data import parse_data, parse_vocab
 
     kind, _, arg = cfg.data.partition(":")
+    chosen = ""
     if kind in ("c4", "dolma") and not arg or kind == "c4" and arg:
         try:
             parse_data(cfg.data, cfg.data_dir or None)
         except ConfigError as e:
             raise _point_error(e, name) from None
+        chosen = check_tfds_choice(tfds_candidates(arg or cfg.data_dir, kind), cfg.data, name, kind)
     if (cfg.vocab or "").startswith("sentencepiece:gs://"):
         try:
             parse_vocab(cfg.vocab)
         except ConfigError as e:
             raise _point_error(e, name) from None
+    return chosen
+
+
+def single_host_multislice(sl: accelerators.Slice, slices: int) -> str:
+    """A warning for Multislice over one-host slices ('' otherwise)."""
+    if slices < 2 or sl.hosts > 1:
+        return ""
+    bigger = next((s.name for s in accelerators.of_generation(sl.generation) if s.hosts > 1), "")
+    return (f"--slices {slices} of {sl.name} is Multislice over one-host slices: Google documents Multislice (GKE) "
+            f"for multi-host slices only and the Cloud TPU API states nothing; if the queued resource is refused "
+            f"or the slices do not connect, use one larger slice" + (f" (e.g. {bigger})" if bigger else ""))
 
 
 def check(sweep: dict, root: str, accelerator: str, slices: int, extra: list[str], tree: set[str],
@@ -252,6 +293,8 @@ def check(sweep: dict, root: str, accelerator: str, slices: int, extra: list[str
     if check_fit not in ("table", "compile", "off"):
         raise ConfigError("--check-fit", f"{check_fit!r} is not one of table, compile, off")
     out = Checked(sl, slices)
+    if single_host_multislice(sl, slices):
+        out.warnings.append(single_host_multislice(sl, slices))
     rows = memory_table() if check_fit == "table" else []
     for pt in sweep["points"]:
         cfg = check_point(pt, extra, sl, slices, tree)
@@ -271,5 +314,7 @@ def check(sweep: dict, root: str, accelerator: str, slices: int, extra: list[str
     if remote:
         check_bucket(root)
         for name, cfg in out.configs.items():
-            check_remote(cfg, name)
+            chosen = check_remote(cfg, name)
+            if chosen:
+                out.notes.append(f"point {name} reads the TFDS dataset in {chosen}")
     return out

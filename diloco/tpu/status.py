@@ -6,7 +6,7 @@ BASE is ROOT/SWEEP (gs:// or local); the files are the ones diloco/tpu/agent.py 
   finished  final_eval_loss and params_sha256 of its summary.json
   failed    the reason and the last lines of the failing host's log
 Per host: its agent's state, point and attempt, and how old its heartbeat is (`lost?` when older than
-the plan's lost_after_s). Exit status: 0 when every point finished, 1 when any failed, 2 otherwise.
+the plan's lost_after_s); a host with no heartbeat yet shows the last lines of its boot log. Exit status: 0 when every point finished, 1 when any failed, 2 otherwise.
 
 `--wait-stopped SECONDS` (what `launch_tpu.sh stop` runs after writing the stop marker): wait until
 every host's agent has stopped (its child reaped: a SIGTERMed `diloco train` has saved its
@@ -20,7 +20,8 @@ import sys
 import time
 
 from diloco.rundir import path, read_jsonl
-from diloco.tpu.agent import LEADER, TIMING, Layout, age, fresh_reads, hosts, label, latest_go, load, names, read_text
+from diloco.tpu.agent import (LEADER, TIMING, Layout, age, boot_tail, fresh_reads, hosts, label, latest_go, load, names,
+                               read_text)
 
 TAIL = 12  # log lines shown for a failed point
 
@@ -68,7 +69,8 @@ def collect(base: str, now: float | None = None) -> dict:
     for h in all_hosts:
         b = beats[h]
         a = max(0.0, age(b, now))
-        host_rows.append({"host": h, "label": label(h), "leader": h == LEADER, "beat": b, "age": a,
+        boot = boot_tail(read_text(L.boot_log(h)), 2) if b is None else []
+        host_rows.append({"host": h, "label": label(h), "leader": h == LEADER, "beat": b, "age": a, "boot": boot,
                           "lost_after": lost_after,
                           "lost": b is not None and a > lost_after and b.get("state") not in ("stopped", "done")})
     return {"base": str(L.base), "plan": plan, "stop": L.stop.exists(), "now": now,
@@ -91,8 +93,9 @@ def render(rep: dict) -> str:
             out.append(f"{head}  final_eval_loss {p['final_eval_loss']}  params_sha256 {p['params_sha256']}{history}")
         elif p["state"] == "failed":
             out.append(f"{head}  {p['reason']}")
-            out.append(f"      last lines of {p['log_host']}'s log (attempt {p['attempt']}):")
-            out += [f"      | {line}" for line in p["log_tail"]] or ["      | (no log)"]
+            if p["attempt"]:  # attempt 0: it never started (the reason holds the boot log's last lines)
+                out.append(f"      last lines of {p['log_host']}'s log (attempt {p['attempt']}):")
+                out += [f"      | {line}" for line in p["log_tail"]] or ["      | (no log)"]
         elif p["state"] in ("running", "stopped"):
             row = p.get("last_row")
             metrics = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in (row or {}).items()
@@ -106,7 +109,9 @@ def render(rep: dict) -> str:
         b = h["beat"]
         who = f"  {h['label']}{' (leader)' if h['leader'] else ''}"
         if b is None:
-            out.append(f"{who:<26} no heartbeat yet")
+            out.append(f"{who:<26} no heartbeat yet" + ("; its boot log (_pod/boot/) ends:" if h["boot"] else
+                                                         "; no boot log in the bucket yet"))
+            out += [f"      | {line}" for line in h["boot"]]
             continue
         what = f"{b.get('state')}" + (f" {b.get('point')} attempt {b.get('attempt')}" if b.get("point") else "")
         out.append(f"{who:<26} {'lost? ' if h['lost'] else ''}{what}  heartbeat {h['age']:.0f} s ago"

@@ -359,6 +359,7 @@ class Cloud:
                "DILOCO_TPU_ZONE": r["zone"], "DILOCO_COORDINATOR": f"127.0.0.1:{r['coordinatorPort']}",
                "DILOCO_NUM_PROCESSES": str(slices * hosts), "DILOCO_PROCESS_ID": str(slice * hosts + worker),
                "DILOCO_CPU_DEVICES": str(cfg["cpu_devices"]), "JAX_PLATFORMS": "cpu", **cfg["emulator_env"]}
+        env.pop("EPATH_USE_TF", None)  # a VM has no such setting: what the launcher starts must set it itself
         if r["multislice"]:
             env.update(MEGASCALE_NUM_SLICES=str(slices), MEGASCALE_SLICE_ID=str(slice),
                        MEGASCALE_COORDINATOR_ADDRESS="127.1.0.1:8080")
@@ -404,10 +405,45 @@ class Cloud:
             _write_json(h.dir / "host.json", {**json.loads((h.dir / "host.json").read_text()), "state": "DOWN"})
         self._kill(h.dir)
 
-    def repair_host(self, name: str, slice: int, worker: int) -> None:
-        """The host comes back like a rebooted VM: up again, its startup script runs again."""
-        self._kill(self.host(name, slice, worker).dir)
+    def repair_host(self, name: str, slice: int, worker: int, fresh: bool = False) -> None:
+        """The host comes back like a rebooted VM: up again, its metadata startup script runs again. With
+        `fresh`, as a VM Cloud TPU recreated (a repaired slice): its disk (home) is new and empty."""
+        h = self.host(name, slice, worker)
+        self._kill(h.dir)
+        if fresh:
+            shutil.rmtree(h.home, ignore_errors=True)
+            h.home.mkdir(parents=True)
         self.boot(name, slice, worker)
+
+    def reboot_host(self, name: str, slice: int, worker: int) -> None:
+        """A maintenance reboot: every process ends, the disk stays, the metadata startup script runs again."""
+        self.repair_host(name, slice, worker)
+
+    def repair_slice(self, name: str, slice: int) -> None:
+        """Multislice autorepair: every host of the slice is recreated from the metadata, with fresh disks."""
+        for h in [h for h in self.hosts(name) if h.slice == slice]:
+            self.repair_host(name, h.slice, h.worker, fresh=True)
+
+    def identity(self, host: str | None) -> str:
+        """Who a gcloud call runs as: the laptop's user, or the VM's service account (its resource's)."""
+        from .faults import DEFAULT_SA, LAPTOP
+
+        if host is None or "/" not in host:
+            return LAPTOP
+        r = self.resource(host.split("/")[0])
+        return (r or {}).get("serviceAccount") or DEFAULT_SA
+
+    def fail(self, *match: str, times: int = 1, host: str | None = None, **kw) -> None:
+        """The next `times` gcloud calls whose argv holds every word of `match` fail (faults.fail)."""
+        from . import faults
+
+        faults.fail(self.root, *match, times=times, host=host, **kw)
+
+    def deny(self, identity: str, *permissions: str) -> None:
+        """Calls made as `identity` that need one of `permissions` are refused with 403 (faults.deny)."""
+        from . import faults
+
+        faults.deny(self.root, identity, *permissions)
 
     def set_state(self, name: str, state: str) -> None:
         """SUSPENDING / SUSPENDED / FAILED / PREEMPTED: every host is killed and down. ACTIVE: hosts not

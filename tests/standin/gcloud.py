@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `standin`
-from standin.cloud import Cloud, GcloudError, duration_seconds  # noqa: E402
+from standin import faults  # noqa: E402
+from standin.cloud import MARKER, Cloud, GcloudError, duration_seconds  # noqa: E402
 
 GLOBAL = ("--project", "--quiet", "-q", "--format")
 
@@ -544,6 +545,12 @@ def main(argv: list[str]) -> int:
         cloud.log_invocation(argv)
     command = "gcloud"
     try:
+        if words[:1] != ["standin"]:
+            host = os.environ.get(MARKER)
+            host = os.path.relpath(host, cloud.root) if host else None
+            why = faults.take(cloud.root, argv, host) or faults.refused(cloud.root, argv, cloud.identity(host))
+            if why:
+                raise GcloudError(why)
         lead = 0
         while lead < len(argv) and argv[lead].split("=")[0] in GLOBAL:  # gcloud --project=P compute …
             lead += 1 if "=" in argv[lead] or argv[lead] in ("--quiet", "-q") else 2
