@@ -442,7 +442,8 @@ def main(argv: list[str]) -> int:
             files += simulator(out)
             steps.append(("simulator Table 4", f"diloco simulate --paper-table --out {out / 'simulator'}", 0.0, 0))
         _say(f"tables: diloco tables --root {root} --out {out}")
-        files += report.build(root, out)
+        built = report.build(root, out)
+        files += built.files
         steps.append(("tables and plots", f"diloco tables --root {root} --out {out}", 0.0, 0))
         from diloco.report.write import write_if_changed
         from diloco.rundir import atomic_write_text
@@ -473,8 +474,8 @@ def main(argv: list[str]) -> int:
     print("\n" + "=" * 78)
     print(f"diloco reproduce: done in {mins:.1f} min; {readme} lists every generated file")
     print(headline_text(h))
-    if report.build.changed:
-        print(f"{len(report.build.changed)} number(s) differ from the committed ones at the printed precision "
+    if built.changed:
+        print(f"{len(built.changed)} number(s) differ from the committed ones at the printed precision "
               "(listed above by diloco tables); see docs/experiments.md on what is bit-reproducible")
     if failed:
         print(f"{failed} run(s) failed: see {out / 'failed_runs.md'} and each run's failed.json")

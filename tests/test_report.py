@@ -28,7 +28,7 @@ def _summaries(root):
 
 
 def test_tables_hold_ours_beside_the_paper(runs, tmp_path):
-    files = report.build(runs, tmp_path / "out", quiet=True)
+    files = report.build(runs, tmp_path / "out", quiet=True).files
     names = {f.name for f in files}
     assert {"table5_c4_scaling.md", "table5_c4_scaling.csv", "bytes_exchanged.csv", "runs.csv",
             "loss_curves_c4_scaling_tiny.png"} <= names
@@ -189,12 +189,10 @@ def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
     # a number that changes at the printed precision is reported
     part2 = tmp_path / "part2"
     _record(part2, "c4_scaling_tiny+toy", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", 2.50004)
-    report.build(part2, out, quiet=True)
-    assert report.build.changed == []  # 2.5 vs 2.50004: the same 4 printed decimals
+    assert report.build(part2, out, quiet=True).changed == []  # 2.5 vs 2.50004: the same 4 printed decimals
     part3 = tmp_path / "part3"
     _record(part3, "c4_scaling_tiny+toy", "tiny+dp", "experiments/c4_scaling.py:tiny,dp", 2.5123)
-    report.build(part3, out, quiet=True)
-    assert report.build.changed == ["table5_c4_scaling: tiny, data_parallel, 2: 2.5 → 2.5123"]
+    assert report.build(part3, out, quiet=True).changed == ["table5_c4_scaling: tiny, data_parallel, 2: 2.5 → 2.5123"]
 
 
 def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):

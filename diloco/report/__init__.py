@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -24,13 +25,21 @@ from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_tab
 from diloco.report.write import KEYS, compare_committed, markdown, write_if_changed, write_table
 
 # the names other code and the tests use as `report.<name>`, besides build and main
-__all__ = ["build", "main", "PAPER_DIR", "load_runs", "is_difference", "markdown", "which_params_eval",
+__all__ = ["build", "Built", "main", "PAPER_DIR", "load_runs", "is_difference", "markdown", "which_params_eval",
            "ablation_table", "plot_ablation", "verdict"]
 
 
-def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
+@dataclass(frozen=True)
+class Built:
+    """What `build` did: the files it wrote (or found unchanged) and, per table, the numbers that differ
+    from the committed ones at the printed precision ('table: key: committed → now')."""
+    files: list[Path]
+    changed: list[str] = field(default_factory=list)
+
+
+def build(root: str | Path, out: str | Path, quiet: bool = False) -> Built:
     """Every table and plot the records under root allow, merged with what out/ already holds (a table
-    or row this build does not regenerate is kept). Returns the written (or unchanged, regenerated) files."""
+    or row this build does not regenerate is kept)."""
     t0 = time.time()
     root, out = Path(root), Path(out)
     if not root.is_dir():
@@ -150,7 +159,6 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
     write_if_changed(out / "provenance.json", json.dumps(prov, indent=1, sort_keys=True) + "\n",
                       lambda p, t: atomic_write_json(p, json.loads(t)))
     touched.append(out / "provenance.json")
-    build.changed = changed
     if changed and not quiet:
         print("diloco tables: numbers that differ from the committed ones at the printed precision:")
         for line in changed:
@@ -159,10 +167,7 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> list[Path]:
     if not quiet:
         print(f"diloco tables: {len(df)} run(s) from {root} → {len(written)} file(s) in {out} "
               f"({time.time() - t0:.0f} s)")
-    return written
-
-
-build.changed = []
+    return Built(written, changed)
 
 
 def main(argv: list[str]) -> int:
@@ -179,10 +184,10 @@ def main(argv: list[str]) -> int:
         print(markdown(t), end="")
         return 0
     try:
-        files = build(args.root, args.out)
+        built = build(args.root, args.out)
     except ConfigError as e:
         print(f"diloco tables: bad input: {e}", file=sys.stderr)
         return 2
-    for f in files:
+    for f in built.files:
         print(f"  {f}")
     return 0
