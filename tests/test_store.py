@@ -271,3 +271,38 @@ def test_a_store_on_gcs_is_written_and_read(gcs, st, corpus):
         assert np.array_equal(next(local), next(remote))
     remote.close()
     store.check_store(url, "byte", 128)
+
+
+# -- mixing: a source-sorted JSONL corpus ----------------------------------------------------------------
+def _source_share(batch: np.ndarray) -> float:
+    """Share of source A's tokens (bytes of 'a'..'m', +3 in the byte vocabulary) among a batch's text tokens."""
+    text = batch[batch > 2]
+    return float(((text >= ord("a") + 3) & (text <= ord("m") + 3)).mean())
+
+
+def test_a_source_sorted_jsonl_corpus_gives_every_batch_the_corpus_source_share(tmp_path):
+    """Two sources, one JSONL file each (source A's text uses the letters a-m, B's n-z; B has twice A's
+    documents): every global batch's share of A is within 4·sqrt(p(1-p)/B) of the corpus's share p
+    (rows are drawn by the keyed permutation over the whole store). The per-host shard reader, which
+    streams one file at a time, does not meet it."""
+    from diloco.data import TokenBatches
+
+    rng = np.random.default_rng(1)
+    for name, letters, n in (("a", "abcdefghijklm", 150), ("b", "nopqrstuvwxyz", 300)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"text": "".join(rng.choice(list(letters + " "), int(rng.integers(100, 400))))}) + "\n")
+    data = f"jsonl:{tmp_path}/*.jsonl"
+    out = str(tmp_path / "s")
+    store.tokenize(data, "byte", out, workers=1, progress=False)
+    L, B = 64, 64
+    s = store.Store(out)
+    p = _source_share(s.rows(np.arange(s.num_rows(L)), L))
+    assert 0.25 < p < 0.42  # about a third
+    tol = 4 * np.sqrt(p * (1 - p) / B)
+    it = reader.StoreBatches(out, L, B, 0, prefetch=0)
+    worst = max(abs(_source_share(next(it)) - p) for _ in range(s.num_rows(L) // B))
+    print(f"source share p={p:.3f}: worst batch |share-p|={worst:.3f}, tolerance {tol:.3f}")
+    assert worst <= tol
+    old = TokenBatches(data, "byte", L, B, seed=0, prefetch=0)
+    assert max(abs(_source_share(next(old)) - p) for _ in range(s.num_rows(L) // B)) > tol
