@@ -254,6 +254,9 @@ class RunDir:
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, row["step"])
+            elif k.endswith("_replicas") and isinstance(v, list):  # one scalar per replica: train_loss/replica_0 …
+                for m, x in enumerate(v):
+                    self.tb.add_scalar(f"{k[:-len('_replicas')]}/replica_{m}", x, row["step"])
 
     def close(self) -> None:
         if self.tb is not None:

@@ -73,8 +73,10 @@ class LossWindow:
     """Per-replica losses of the steps since the last gather (on device), folded into `losses` (host
     floats since the last metrics row) at log rows and checkpoints: one gather across processes."""
 
-    def __init__(self, trainer, faults, counters: Counters, losses: list[float], last_ckpt):
+    def __init__(self, trainer, faults, counters: Counters, losses: list[float], last_ckpt,
+                 losses_R: list[list[float]] | None = None):
         self.tr, self.faults, self.counters, self.losses, self.last_ckpt = trainer, faults, counters, losses, last_ckpt
+        self.losses_R = losses_R or []  # each replica's loss per folded step (the rows `losses` averages)
         self.rows: list[tuple[int, Any, Any]] = []
 
     def add(self, t: int, ce_R, fin_R) -> None:
@@ -89,6 +91,7 @@ class LossWindow:
         for t, ce, fin in rows:
             if fin.all():
                 self.losses.append(float(ce.mean()))
+                self.losses_R.append([float(c) for c in ce])
                 continue
             bad = [m for m, f in enumerate(fin) if not f]
             if not self.faults.skip_bad_batches:
@@ -105,6 +108,12 @@ class LossWindow:
     def take_mean(self) -> float | None:
         out = float(np.mean(self.losses)) if self.losses else None
         self.losses.clear()
+        return out
+
+    def take_replica_means(self) -> list[float] | None:
+        """Each replica's mean loss over the same steps as `take_mean` (whose value is their mean)."""
+        out = [float(v) for v in np.mean(self.losses_R, axis=0)] if self.losses_R else None
+        self.losses_R.clear()
         return out
 
 
@@ -166,6 +175,7 @@ class Run:
         self.data_rows = self.data.rows()
         self.counters = Counters()
         losses: list[float] = []
+        losses_R: list[list[float]] = []
         if got is None:
             self.start, self.state = 0, tr.fresh_state()
         else:
@@ -173,9 +183,10 @@ class Run:
             self.data.set_state(meta["data"])
             self.counters = Counters(**meta["counters"])
             losses = list(meta.get("pending_losses", []))  # since the last metrics row
+            losses_R = [list(r) for r in meta.get("pending_losses_replicas", [])]
             print(f"resumed {self.run.root} at step {self.start}", file=sys.stderr)
         self.run.resume_records(self.start)
-        self.window = LossWindow(tr, self.faults, self.counters, losses, self.last_ckpt)
+        self.window = LossWindow(tr, self.faults, self.counters, losses, self.last_ckpt, losses_R)
         self.evals = [dist.global_array(np.asarray(b), tr.repl_sharding)
                       for b in eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R,
                                             cfg.eval_batches, data_dir=cfg.data_dir or None)]
@@ -209,7 +220,8 @@ class Run:
             self.state = self.tr.driver.settle(self.state, self.check)
         data = self.data.state(np.concatenate(list(self.dist.allgather(self.data.local_positions()))))
         self.ck.save(step, self.state, {"data": data, "counters": dataclasses.asdict(self.counters),
-                                        "step": step, "pending_losses": self.window.losses})
+                                        "step": step, "pending_losses": self.window.losses,
+                                        "pending_losses_replicas": self.window.losses_R})
 
     def inner_step(self, t: int) -> None:
         tr, cfg = self.tr, self.cfg
@@ -246,6 +258,7 @@ class Run:
         tok_s = (t - self.last_log[1]) * self.tokens_per_step / max(now - self.last_log[0], 1e-9)
         self.last_log = (now, t)
         row = {"step": t, "tokens": t * self.tokens_per_step, "train_loss": self.window.take_mean(),
+               "train_loss_replicas": self.window.take_replica_means(),
                "lr": float(self.tr.lr_schedule(t)), "bytes_exchanged": self.counters.bytes_exchanged,
                "seconds": round(self.counters.wall_seconds, 3), "tokens_per_s": round(tok_s, 1)}
         if hasattr(self.data, "batch_hash"):  # a token store: which rows step t's global batch held

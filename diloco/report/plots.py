@@ -40,6 +40,8 @@ def plot_loss_curves(df: pd.DataFrame, sweep: str, path: Path) -> None:
             if m.empty:
                 continue
             line, = ax.plot(m.step, m.train_loss.rolling(3, min_periods=1).mean(), alpha=0.35, lw=1)
+            for loss_m in replica_losses(m):  # thin lines per replica (a drifting replica shows before eval)
+                ax.plot(m.step, loss_m.rolling(3, min_periods=1).mean(), color=line.get_color(), alpha=0.25, lw=0.5)
             if "eval_loss" in m:
                 e = m.dropna(subset=["eval_loss"])
                 ax.plot(e.step, e.eval_loss, "o-", color=line.get_color(), label=f"{r.label} (M={r.replicas})")
@@ -49,6 +51,18 @@ def plot_loss_curves(df: pd.DataFrame, sweep: str, path: Path) -> None:
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
+
+
+def replica_losses(m: pd.DataFrame) -> list[pd.Series]:
+    """Each replica's train loss per metrics row (`train_loss_replicas`, a list per row); [] when the run
+    has one replica or predates the column."""
+    if "train_loss_replicas" not in m:
+        return []
+    rows = [v if isinstance(v, list) else None for v in m.train_loss_replicas]
+    n = max((len(v) for v in rows if v), default=0)
+    if n < 2:
+        return []
+    return [pd.Series([v[i] if v and len(v) == n else math.nan for v in rows], index=m.index) for i in range(n)]
 
 
 def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
