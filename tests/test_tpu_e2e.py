@@ -60,7 +60,7 @@ def _bundle(tmp_path, gcs, name: str, points: str, accelerator: str, slices: int
     p = json.loads((out / "plan.json").read_text())
     env = {**p["env"], "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}  # see the docstring
     (out / "plan.json").write_text(json.dumps({**p, **FAST, "env": env, **plan}, indent=1))
-    return out, gcs.url("runs", name)
+    return out, p["base"]  # this launch's folder: ROOT/<sweep>/_pods/<qr> (the run folders: ROOT/<sweep>/<point>)
 
 
 def _sh(script: Path, *args, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -127,7 +127,8 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     p1, p2 = "checkpoint_every=4", "checkpoint_every=100"
     script = out / "launch_tpu.sh"
     assert _sh(script, "up").returncode == 0  # the agents start from the startup script on every host
-    wd1 = f"{base}/{p1}"
+    root = gcs.url("runs", "e2e")
+    wd1, st1 = f"{root}/{p1}", f"{base}/{p1}"  # the run folder; the point's coordination files
 
     # point 1 runs; a checkpoint exists; point 2 waits
     _until(lambda: _complete_steps(gcs, wd1, 4), 1500, "a complete checkpoint of point 1", standin)
@@ -136,7 +137,7 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     assert [(p["name"], p["state"]) for p in rep["points"]] == [(p1, "running"), (p2, "waiting")]
     standin.kill_host(QR, 1, 1)  # the VM is lost (maintenance): its agent and its trainer with it
     t_kill = time.time()
-    _until(lambda: gcs.exists(f"{wd1}/_state/attempt-{k}/abort"), 300, f"the leader's abort of attempt {k}", standin)
+    _until(lambda: gcs.exists(f"{st1}/_state/attempt-{k}/abort"), 300, f"the leader's abort of attempt {k}", standin)
     _until(lambda: len(_exits(gcs, base, p1, k)) == 3, 300, "the three live hosts' trainers reaped", standin)
     # the leader's note follows the exits at its next poll: wait until only the lost host is left in it
     _until(lambda: "waiting for the exit of slice1-worker1 lost" in S.collect(base)["points"][0]["note"], 60,
@@ -146,7 +147,7 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     assert re.search(rf"{re.escape(p1)}\s+running\s+attempt {k} .*waiting for the exit of slice1-worker1 lost", r.stdout)
     assert re.search(r"slice1-worker1\s+lost\? running", r.stdout) and f"{p2}  waiting" in r.stdout
     time.sleep(5)
-    assert not gcs.exists(f"{wd1}/_state/go-{k + 1}.json")  # no attempt without the lost host
+    assert not gcs.exists(f"{st1}/_state/go-{k + 1}.json")  # no attempt without the lost host
     standin.repair_host(QR, 1, 1)  # it boots again; the startup script restarts its agent, which rejoins
     t_repair = time.time()
 
@@ -154,16 +155,16 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     _until(lambda: S.collect(base)["points"][0]["attempt"] > k, 300, "the next attempt", standin)
     closed = _exits(gcs, base, p1, k)
     assert closed["1-1"]["code"] is None and "restarted during the attempt" in closed["1-1"]["reason"]
-    go = json.loads(gcs.read(f"{wd1}/_state/go-{k + 1}.json"))
+    go = json.loads(gcs.read(f"{st1}/_state/go-{k + 1}.json"))
     assert go["time"] >= max(e["time"] for e in closed.values()) and go["time"] > t_repair
 
     def trained_past_resume():
         try:
             rows = [json.loads(x) for x in gcs.read(f"{wd1}/metrics.jsonl").decode().splitlines() if x.strip()]
-            st = json.loads(gcs.read(f"{wd1}/_state/status.json"))
+            st = json.loads(gcs.read(f"{st1}/_state/status.json"))
         except Exception:  # not there yet, or read while rewritten
             return False
-        logs = gcs.objects(f"{wd1}/logs/attempt-{st['attempt']}/slice0-worker0.log")
+        logs = gcs.objects(f"{st1}/logs/attempt-{st['attempt']}/slice0-worker0.log")
         resumed = [int(m) for v in logs.values() for m in re.findall(rb"resumed .* at step (\d+)", v)]
         return resumed and rows and rows[-1]["step"] > resumed[-1] and st["state"] == "running"
 
@@ -183,12 +184,12 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     _until(lambda: S.exit_code(S.collect(base)) != 2, 2400, "both points to end", standin)
     r = _sh(script, "status")
     assert r.returncode == 0, r.stdout
-    st1 = json.loads(gcs.read(f"{wd1}/_state/status.json"))
-    last = st1["attempt"]
-    log = gcs.read(f"{wd1}/logs/attempt-{last}/slice0-worker0.log").decode()
+    rec1 = json.loads(gcs.read(f"{st1}/_state/status.json"))
+    last = rec1["attempt"]
+    log = gcs.read(f"{st1}/logs/attempt-{last}/slice0-worker0.log").decode()
     assert f"at step {after[-1]}" in log, log[-2000:]
-    assert st1["attempts"][str(stopped["attempt"])]["result"] == "stopped"
-    s1, s2 = (json.loads(gcs.read(f"{base}/{p}/summary.json")) for p in (p1, p2))
+    assert rec1["attempts"][str(stopped["attempt"])]["result"] == "stopped"
+    s1, s2 = (json.loads(gcs.read(f"{root}/{p}/summary.json")) for p in (p1, p2))
     assert s1["processes"] == s2["processes"] == 4 and s1["versions"]["devices"] == 4
     assert s1["params_sha256"] == s2["params_sha256"]
     assert s1["final_eval_loss"] == s2["final_eval_loss"]
@@ -214,7 +215,7 @@ def test_a_bad_point_fails_after_its_attempts_with_its_last_log_lines_then_teard
     _hosts_can_run_the_project(standin)
     out, base = _bundle(tmp_path, gcs, "bad", '[{}]', "v5litepod-4", 1, "--teardown", max_attempts=2)
     point = json.loads((out / "plan.json").read_text())["points"][0]["name"]
-    gcs.write(f"{base}/{point}/config.json", json.dumps({"scale": "another run"}))
+    gcs.write(f"{gcs.url('runs', 'bad')}/{point}/config.json", json.dumps({"scale": "another run"}))
     script = out / "launch_tpu.sh"
     assert _sh(script, "up").returncode == 0
     _until(lambda: standin.state(QR) is None, 900, "the leader's teardown", standin)

@@ -1,0 +1,332 @@
+"""What the real cloud does to a Cloud TPU launch, each behaviour driven on the stand-in or on the pure
+function it exercises (issue #29): reboots and repairs run the current bundle, installs and downloads that
+fail first, a host that never starts, two pods on one root, the VM's service account, and a launcher that
+never deletes or ships what it should not. Default tier: seconds each (the hosts' agents are a stub)."""
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco import sweep as sw
+from diloco.config import REPO_ROOT
+from diloco.errors import ConfigError
+from diloco.tpu import accelerators, agent as A, bundle, host, pods, preflight, status as S
+
+TPU = ["--launch", "tpu", "--tpu", "pod-1", "--zone", "us-east5-a"]
+
+
+def _sweep(tmp_path, points: str = "[{}]", name: str = "cl") -> Path:
+    p = tmp_path / f"{name}.py"
+    p.write_text(textwrap.dedent(f"""
+        def get_sweep(arg=""):
+            return {{"name": "{name}", "experiment": "experiments/toy.py:diloco", "points": {points}}}
+    """))
+    return p
+
+
+def _git(repo: Path, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+# -- #9: --out never deletes a folder it did not make --------------------------------------------------
+def test_out_refuses_a_folder_it_did_not_write_and_leaves_every_file(tmp_path, capsys):
+    f = _sweep(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me\n")
+    argv = [str(f), "--root", "gs://bkt/r", *TPU, "--accelerator", "v5litepod-4", "--check-fit", "off", "--dry-run"]
+    assert sw.main([*argv, "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "nothing there is removed" in err and (mine / "notes.txt").read_text() == "keep me\n"
+    out = tmp_path / "b"
+    assert sw.main([*argv, "--out", str(out)]) == 0  # a new folder: the bundle, with its marker
+    assert (out / bundle.MARKER).read_text() == "pod-1\n"
+    stale = next(out.glob("tree-*.tar.gz")).with_name("tree-000000000000.tar.gz")
+    stale.write_bytes(b"an older tree")
+    assert sw.main([*argv, "--out", str(out)]) == 0  # an earlier bundle of pod-1: its files are replaced
+    assert not stale.exists() and len(list(out.glob("tree-*.tar.gz"))) == 1
+    (out / "results.csv").write_text("mine\n")  # a stranger inside a bundle: refused, nothing removed
+    before = sorted(p.name for p in out.iterdir())
+    assert sw.main([*argv, "--out", str(out)]) == 2 and "results.csv" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before
+    (out / "results.csv").unlink()
+    other = [a if a != "pod-1" else "pod-2" for a in argv]
+    assert sw.main([*other, "--out", str(out)]) == 2  # another queued resource's bundle
+    assert "holds the bundle of queued resource 'pod-1'" in capsys.readouterr().err
+    assert sw.main([*other, "--out", str(Path.cwd())]) == 2  # `--out .`: the checkout is never touched
+
+
+def test_the_default_bundle_folder_is_per_queued_resource(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bundle, "check_out", lambda out, qr: seen.append(out) or (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):
+        sw.main([str(_sweep(tmp_path)), "--root", "gs://bkt/r", *TPU, "--accelerator", "v5litepod-4", "--dry-run"])
+    assert seen == [REPO_ROOT / "build" / "tpu" / "cl" / "pod-1"]
+
+
+# -- #10: the shipped tree ------------------------------------------------------------------------------
+@pytest.fixture
+def repo(tmp_path):
+    r = tmp_path / "repo"
+    (r / "pkg").mkdir(parents=True)
+    (r / "pkg" / "a.py").write_text("A = 1\n")
+    (r / "tokenizer.json").write_text('{"vocab": ["a"]}\n')  # a name with "token" in it is not a token file
+    _git(r, "init", "-q")
+    _git(r, "add", ".")
+    _git(r, "commit", "-qm", "c")
+    return r
+
+
+@pytest.mark.parametrize("name,body", [
+    (".env", "API_KEY=abc\n"), ("deploy/key.json", '{"type": "service_account", "private_key": "x"}'),
+    ("conf/prod.json", '{"type": "service_account", "client_email": "a@b"}'), ("id_ed25519", "x"),
+    ("notes/server.txt", "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n"), ("gcp-credentials.json", "{}"),
+])
+def test_a_credential_is_refused_by_name_tracked_or_shipped(repo, name, body):
+    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+    (repo / name).write_text(body)
+    assert bundle.tree_files(repo) == ["pkg/a.py", "tokenizer.json"]  # untracked: not shipped at all
+    with pytest.raises(ConfigError, match=re.escape(name) + ".*look.*like a credential"):
+        bundle.tree_files(repo, ship=(name,))
+    _git(repo, "add", "-f", name)  # tracked (committed by mistake): refused too, by name
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        bundle.tree_files(repo)
+
+
+def test_the_tree_has_a_size_cap_naming_the_largest_files(repo):
+    (repo / "data.bin").write_bytes(b"x" * 5000)
+    _git(repo, "add", "data.bin")
+    with pytest.raises(ConfigError, match=r"over the .* cap \(largest: data.bin"):
+        bundle.tree_files(repo, max_bytes=4096)
+    assert "data.bin" in bundle.tree_files(repo, max_bytes=1 << 20)
+
+
+def test_this_checkout_ships_no_credential_and_fits_the_cap():
+    files = bundle.tree_files()
+    assert "diloco/tpu/bundle.py" in files and not [f for f in files if f.startswith((".venv/", "build/"))]
+
+
+# -- #3: bash 3.2 ------------------------------------------------------------------------------------
+def test_arrays_that_may_be_empty_are_expanded_in_the_bash32_guard_form(tmp_path):
+    """Before bash 4.4 (macOS ships 3.2), "${A[@]}" of an empty array is an unbound variable under set -u.
+    In the default launch (no capacity flag, no internal IPs) TRACK, CREATE_FLAGS and SSH_FLAGS are empty:
+    each of their expansions must be ${A[@]+"${A[@]}"}; and that form gives no empty word on this bash."""
+    out = tmp_path / "b"
+    assert sw.main([str(_sweep(tmp_path)), "--root", "gs://bkt/r", *TPU, "--accelerator", "v5litepod-4",
+                    "--check-fit", "off", "--out", str(out), "--dry-run"]) == 0
+    text = (out / "launch_tpu.sh").read_text()
+    empty = re.findall(r"^([A-Z_]+)=\(\)$", text, re.M)
+    assert set(empty) == {"TRACK", "CREATE_FLAGS", "SSH_FLAGS"}
+    for name in empty:
+        uses = re.findall(r'\$\{' + name + r'\[[@*]\][^}]*\}', text)
+        bare = [m.start() for m in re.finditer(r'(?<![+])"\$\{' + name + r'\[@\]\}"', text)]
+        assert uses and not bare, (name, uses)
+    assert "set -u" in text or "set -euo" in text
+    r = subprocess.run(["bash", "-c", 'set -u; A=(); printf "<%s>" x ${A[@]+"${A[@]}"} y'], capture_output=True, text=True)
+    assert r.stdout == "<x><y>"
+
+
+# -- #12, #13: data and slices ----------------------------------------------------------------------
+def test_several_c4_copies_are_refused_naming_them_and_one_is_printed(tmp_path):
+    info = '{"name": "c4"}'
+    for d in ("c4/en/3.0.1", "c4/realnewslike/3.0.1"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "dataset_info.json").write_text(info)
+    found = preflight.tfds_candidates(str(tmp_path), "c4")
+    assert [f.rsplit("/c4/", 1)[1] for f in found] == ["en/3.0.1", "realnewslike/3.0.1"]
+    with pytest.raises(ConfigError) as e:
+        preflight.check_tfds_choice(found, "c4", "p", "c4")
+    msg = str(e.value)
+    assert e.value.field == "data" and "c4/en/3.0.1, c4/realnewslike/3.0.1" in msg
+    assert f"--set data=c4:{tmp_path}/c4/en/3.0.1" in msg and "3.1.0" in msg and "requester-pays" in msg
+    exact = preflight.tfds_candidates(f"{tmp_path}/c4/en/3.0.1", "c4")
+    assert preflight.check_tfds_choice(exact, "c4:x", "p", "c4") == f"{tmp_path}/c4/en/3.0.1"
+
+
+@pytest.mark.parametrize("acc,slices,warned", [("v5p-8", 2, True), ("v5litepod-8", 2, True), ("v5litepod-4", 3, True),
+                                               ("v5p-16", 2, False), ("v5p-8", 1, False)])
+def test_multislice_over_one_host_slices_is_warned_with_the_reason(acc, slices, warned):
+    w = preflight.single_host_multislice(accelerators.parse(acc), slices)
+    assert bool(w) == warned and (not w or ("multi-host slices" in w and "one larger slice" in w)), w
+
+
+# -- #7, #8: host hygiene --------------------------------------------------------------------------
+def test_the_agent_raises_the_open_file_limit_for_itself_and_its_children():
+    code = ("import resource, subprocess; from diloco.tpu.host import raise_nofile; raise_nofile(); "
+            "print(subprocess.run(['sh', '-c', 'ulimit -n; ulimit -Hn'], capture_output=True, text=True).stdout)")
+    r = subprocess.run(["bash", "-c", f'ulimit -Sn 256 && {sys.executable} -c "{code}"'], capture_output=True,
+                       text=True, cwd=REPO_ROOT)
+    soft, hard = r.stdout.split()
+    assert soft == hard and soft != "256", r.stdout + r.stderr
+
+
+def test_after_a_reap_what_holds_a_chip_is_killed_and_a_stale_libtpu_lock_removed(tmp_path):
+    dev, lock = tmp_path / "accel0", tmp_path / "libtpu_lockfile"
+    dev.write_text("")
+    lock.write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(dev)!r}); import time; time.sleep(60)"])
+    locker = subprocess.Popen([sys.executable, "-c", f"f = open({str(lock)!r}); import time; time.sleep(60)"])
+    try:
+        deadline = time.time() + 10
+        while not (host.holders([str(dev)]) and host.holders([str(lock)])) and time.time() < deadline:
+            time.sleep(0.05)
+        said = host.free_chips(str(lock), (str(dev),))
+        assert holder.wait(10) == -9 and f"pid {holder.pid} still holds {dev}" in said[0]
+        assert lock.exists() and "held by pids" in said[-1]  # a live libtpu's lock is not stale
+        locker.kill()
+        locker.wait()
+        assert host.free_chips(str(lock), (str(dev),)) == [f"removed the stale {lock}"] and not lock.exists()
+    finally:
+        for p in (holder, locker):
+            p.kill()
+            p.wait()
+
+
+# -- #4: the leader's bounded wait for a host that never starts ------------------------------------
+def test_a_host_that_never_starts_fails_the_point_after_the_boot_wait_with_its_boot_log():
+    hosts = ("0-0", "0-1")
+    beats = {"0-0": {"state": "idle", "time": 1000.0}}
+    v = A.PointView(hosts, beats=beats, now=1000.0, since=0.0,
+                    boot={"0-1": ["try 6 of 6 failed: uv pip install", "gave up after 6 tries: uv pip install"]})
+    a = A.decide(v, 3, 120, boot_wait_s=1800)
+    assert a.kind == "wait" and "slice0-worker1 (no heartbeat yet)" in a.reason  # within the bound: it waits
+    a = A.decide(A.PointView(**{**v.__dict__, "now": 1900.0}), 3, 120, boot_wait_s=1800)
+    assert a.kind == "fail" and a.reason.startswith("slice0-worker1 never started (no heartbeat 1800 s")
+    assert "last boot log lines: try 6 of 6 failed: uv pip install | gave up after 6 tries" in a.reason
+    st = A.next_status({}, a, A.PointView(**{**v.__dict__, "now": 1900.0}))
+    assert st["state"] == "failed" and st["reason"] == a.reason
+
+
+# -- #1: one pod, one namespace -------------------------------------------------------------------------
+def _plan(qr, points, root="gs://b/r/s", acc="v5p-16", slices=1):
+    return {"qr": qr, "zone": "z", "project": "", "accelerator": acc, "slices": slices, "root": root,
+            "base": f"{root}/_pods/{qr}", "points": [{"name": p, "workdir": f"{root}/{p}"} for p in points]}
+
+
+def test_a_live_launch_of_another_resource_on_the_same_points_is_refused_naming_it():
+    mine = _plan("pod-2", ["a", "b"])
+    live = lambda qr, plan: {"state": {"state": "ACTIVE"}}  # noqa: E731
+    why = pods.check_others(mine, [_plan("pod-1", ["b", "c"])], live)
+    assert "queued resource pod-1 (ACTIVE, z) running b" in why and "delete pod-1 --zone=z" in why and "--only" in why
+    assert pods.check_others(mine, [_plan("pod-1", ["c"])], live) == ""  # --only split: disjoint points
+    assert pods.check_others(mine, [_plan("pod-1", ["a"])], lambda qr, plan: None) == ""  # deleted: not live
+
+
+def test_up_on_an_existing_resource_of_another_shape_is_refused():
+    desc = {"state": {"state": "ACTIVE"}, "tpu": {"nodeSpec": [{"node": {"acceleratorType": "v5p-8"},
+                                                                "multisliceParams": {"nodeCount": 2}}]}}
+    why = pods.check_shape(_plan("pod-1", ["a"], acc="v5p-16", slices=1), desc)
+    assert "exists (ACTIVE) as 2× v5p-8, but this bundle is for 1× v5p-16" in why
+    assert pods.check_shape(_plan("pod-1", ["a"], acc="v5p-8", slices=2), desc) == ""
+    assert pods.check_shape(_plan("pod-1", ["a"]), {**desc, "state": {"state": "SUSPENDED"}}) == ""  # up recreates it
+
+
+# -- the stand-in: reboots, repairs, failing downloads, a host that never boots, two pods --------------
+FAKE_AGENT = """#!/bin/sh
+# stands for the environment's python running `-m diloco.tpu.agent`: says where and how it was started
+{ echo "cwd=$(pwd)"; echo "EPATH_USE_TF=${EPATH_USE_TF:-}"; echo "nofile=$(ulimit -n) $(ulimit -Hn)"; } > "$HOME/seen.txt"
+exec sleep 600
+"""
+
+
+def _seen(standin, s=0, w=0) -> dict:
+    p = standin.host("pod-1", s, w).home / "seen.txt"
+    if not p.exists() or not p.read_text().endswith("\n"):
+        return {}
+    return dict(line.split("=", 1) for line in p.read_text().splitlines() if "=" in line)
+
+
+def _up(script, **env) -> subprocess.CompletedProcess:
+    r = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "POLL_S": "0.1", **env})
+    print(r.stdout, r.stderr)
+    return r
+
+
+def _rebundle(out: Path, tmp_path: Path) -> str:
+    """What a new `diloco sweep … --launch tpu` after a code change writes: another tree, startup.sh naming it."""
+    src = tmp_path / "tree-b"
+    src.mkdir()
+    (src / "CHANGED").write_text("the new code\n")
+    tar, sha = bundle.write_tree(["CHANGED"], out, root=src)
+    for old in out.glob("tree-*.tar.gz"):
+        if old != tar:
+            old.unlink()
+    text = (out / "startup.sh").read_text()
+    text = re.sub(r"^TREE=.*$", f"TREE={tar.name}", text, flags=re.M)
+    (out / "startup.sh").write_text(re.sub(r"^TREE_SHA256=.*$", f"TREE_SHA256={sha}", text, flags=re.M))
+    return tar.name.removesuffix(".tar.gz")
+
+
+def test_reboot_repair_and_failing_downloads_always_converge_on_the_current_bundle(standin, gcs, tmp_path):
+    """The metadata holds the fixed bootstrap: after `up` with a new bundle on the live resource, a rebooted
+    host runs the new tree (and removes the old one), a repaired one (fresh disk) too; a tree download that
+    fails twice is retried and the agent starts; the boot log is in the bucket; the environment the agent
+    gets has EPATH_USE_TF=false and the hard open-file limit — the stand-in's hosts no longer set it."""
+    fake = tmp_path / "fake-agent"
+    fake.write_text(FAKE_AGENT)
+    fake.chmod(0o755)
+    standin.configure(emulator_env={**standin.config["emulator_env"], "DILOCO_TPU_PYTHON": str(fake),
+                                    "DILOCO_BOOT_BACKOFF_S": "0", "DILOCO_BOOT_TRIES": "3"})
+    out = tmp_path / "b"
+    assert sw.main([str(_sweep(tmp_path)), "--root", gcs.url("r"), *TPU, "--accelerator", "v5litepod-4",
+                    "--check-fit", "off", "--out", str(out), "--dry-run"]) == 0
+    ns = gcs.url("r/cl/_pods/pod-1")
+    r = _up(out / "launch_tpu.sh")
+    assert r.returncode == 0 and "pod-1 is ACTIVE" in r.stdout, r.stderr
+    assert "EPATH_USE_TF" not in standin.host_env("pod-1", 0, 0)  # a VM sets nothing: the launcher must
+    meta = standin.describe("pod-1")["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
+    assert meta == (out / "bootstrap.sh").read_text()
+    tree_a = next(out.glob("tree-*.tar.gz")).name.removesuffix(".tar.gz")
+    seen = standin.wait_for(lambda: _seen(standin), 60, "the agent started at boot")
+    assert seen["cwd"].endswith(f"/diloco/{tree_a}") and seen["EPATH_USE_TF"] == "false"
+    soft, hard = seen["nofile"].split()
+    assert soft == hard, seen
+    boot_log = lambda: gcs.read(f"{ns}/_pod/boot/slice0-worker0.log").decode() if gcs.exists(  # noqa: E731
+        f"{ns}/_pod/boot/slice0-worker0.log") else ""
+    standin.wait_for(lambda: "agent started" in boot_log(), 30, "the boot log in the bucket")
+
+    tree_b = _rebundle(out, tmp_path)
+    r = _up(out / "launch_tpu.sh")
+    assert r.returncode == 0 and "pod-1 was already ACTIVE" in r.stdout and "bash" in r.stdout
+    assert not [c for c in standin.invocations() if "create" in c["argv"]][1:], "up created it again"
+    assert _seen(standin)["cwd"].endswith(tree_a)  # nothing happens on the hosts by itself
+    standin.fail("storage", "cp", "tree-", times=2, host="pod-1/slice0-worker0")
+    (standin.host("pod-1", 0, 0).home / "seen.txt").unlink()
+    standin.reboot_host("pod-1", 0, 0)
+    seen = standin.wait_for(lambda: _seen(standin), 60, "the agent after the reboot")
+    home = standin.host("pod-1", 0, 0).home
+    assert seen["cwd"].endswith(f"/diloco/{tree_b}") and not (home / "diloco" / tree_a).exists()
+    log = standin.wait_for(lambda: boot_log().count("agent started") and boot_log(), 30, "the boot log")
+    assert "try 1 of 3 failed: gcloud storage cp" in log and "try 2 of 3 failed" in log and "agent started" in log
+
+    standin.repair_host("pod-1", 0, 0, fresh=True)  # the slice recreated: a new disk, the same metadata
+    seen = standin.wait_for(lambda: _seen(standin), 60, "the agent after the repair")
+    assert seen["cwd"].endswith(f"/diloco/{tree_b}")
+
+    # a download that never succeeds: the boot fails, says why in the bucket, and status shows it
+    standin.fail("storage", "cp", "tree-", times=99, host="pod-1/slice0-worker0")
+    standin.repair_host("pod-1", 0, 0, fresh=True)
+    standin.wait_for(lambda: "boot failed" in boot_log(), 60, "the failed boot's log in the bucket")
+    assert not _seen(standin)
+    A.fresh_reads()
+    text = S.render(S.collect(ns))
+    assert "slice0-worker0 (leader)" in text and "no heartbeat yet; its boot log (_pod/boot/) ends:" in text
+    assert re.search(r"\| .*gave up after 3 tries: gcloud storage cp", text), text
+    r = subprocess.run(["bash", str(out / "launch_tpu.sh"), "boot"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "slice0-worker0.log <==" in r.stdout and "boot failed" in r.stdout
+
+    # a second pod on the same root and points while pod-1 lives: refused before anything is uploaded
+    out2 = tmp_path / "b2"
+    assert sw.main([str(_sweep(tmp_path)), "--root", gcs.url("r"), *[a if a != "pod-1" else "pod-2" for a in TPU],
+                    "--accelerator", "v5litepod-4", "--check-fit", "off", "--out", str(out2), "--dry-run"]) == 0
+    r = _up(out2 / "launch_tpu.sh")
+    assert r.returncode == 1 and "already holds the live launch of queued resource pod-1 (ACTIVE" in r.stderr
+    assert standin.state("pod-2") is None and not gcs.objects("r/cl/_pods/pod-2/")
