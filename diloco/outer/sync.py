@@ -38,6 +38,7 @@ class OuterState:
     params: Any                  # θᵍ: the model's parameter tree, no replica axis
     opt: tuple                   # one optax (Nesterov SGD) state per fragment, over its flat fp32 vector
     pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
+    extra: Any = None            # eager updates / error feedback buffers (eager_sync.Extra); None when off
 
 
 def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
