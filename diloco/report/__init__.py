@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from diloco.errors import ConfigError
-from diloco.report.claims import claims_table, write_claims, write_readme_block
+from diloco.report.claims import claims_table, write_claims
 from diloco.report.judge import verdict
 from diloco.report.plots import plot_ablation, plot_loss_curves
 from diloco.report.records import POWER, PAPER_DIR, collapse, is_difference, load_runs, read_json
@@ -126,8 +126,6 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> Built:
     if not c.empty or (out / "claims.csv").exists():  # committed rows are judged again even with no new one
         c = write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling"))], root, prov)
         touched += [out / "claims.md", out / "claims.csv"]
-        if write_readme_block(out.resolve().parent / "README.md", c):  # the README beside out/, if it has the markers
-            touched.append(out.resolve().parent / "README.md")
         if not quiet:
             for r in c.itertuples():
                 if r.changed_from:
