@@ -88,7 +88,8 @@ def send(sync, params_R, outer, p: int, key, contrib_R):
 
 def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
     """Fragment p's round under eager: send Δ_m(r), step θᵍ with g_m(r) (eager.applied), merge.
-    Returns (params_R, outer)."""
+    Returns (params_R, outer); outer.pending[p] holds the round's fresh average (in flight for D rounds:
+    what the driver's finiteness check reads), the buffers hold what is applied."""
     ex: Extra = outer.extra
     mode = ex.mode
     flat_R = jax.vmap(lambda t: sync.frags.flatten(t, p))(params_R)
@@ -106,7 +107,7 @@ def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
         mask_R = jnp.ones(flat_R.shape[0], bool)
     if not eager.per_replica(mode):  # naive: the shared θᵍ steps with the delayed average
         outer = sync.update(sync.with_pending(outer, p, old_avg).replace(extra=ex), p)
-        return sync.merge(params_R, outer, p, mask_R), outer
+        return sync.merge(params_R, outer, p, mask_R), sync.with_pending(outer, p, avg_new)
     upd, opt_p = sync.tx.update(g_R, ex.opt[p], ex.outer[p])
     outer_p = ex.outer[p] + upd
     ex = ex.replace(outer=_set(ex.outer, p, outer_p), opt=_set(ex.opt, p, opt_p))
@@ -116,7 +117,7 @@ def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
         merged = sync.alpha * local + (1.0 - sync.alpha) * g_n
         return sync.frags.unflatten(theta, p, jnp.where(m, merged, local))
 
-    return jax.vmap(one)(params_R, outer_p, mask_R), outer.replace(extra=ex)
+    return jax.vmap(one)(params_R, outer_p, mask_R), sync.with_pending(outer, p, avg_new).replace(extra=ex)
 
 
 def consensus(sync, outer) -> Any:
