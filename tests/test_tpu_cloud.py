@@ -330,3 +330,90 @@ def test_reboot_repair_and_failing_downloads_always_converge_on_the_current_bund
     r = _up(out2 / "launch_tpu.sh")
     assert r.returncode == 1 and "already holds the live launch of queued resource pod-1 (ACTIVE" in r.stderr
     assert standin.state("pod-2") is None and not gcs.objects("r/cl/_pods/pod-2/")
+
+
+# -- #2, #14: checks before billing (`up` runs them before it uploads or creates) -----------------------
+class FakeGcloud:
+    """`run` for diloco.tpu.pods: answers by the command's leading words; records every call."""
+
+    def __init__(self, **answers):
+        self.answers, self.calls = answers, []
+
+    def __call__(self, argv, **kw):
+        self.calls.append(argv)
+        key = " ".join(w for w in argv[1:6] if not w.startswith("-") and not w.startswith("gs://")
+                       and w not in ("proj", "pod-1"))
+        out = self.answers.get(key)
+        return subprocess.CompletedProcess(argv, 0 if out is not None else 1,
+                                           out if isinstance(out, str) else json.dumps(out), "")
+
+
+def _live(**kw):
+    return {**_plan("pod-1", ["a"]), "zone": "us-east5-a", "project": "proj", "base": "gs://bkt/r/s/_pods/pod-1", **kw}
+
+
+SA = "123-compute@developer.gserviceaccount.com"
+
+
+@pytest.mark.parametrize("bindings,teardown,refused,warned", [
+    ([("roles/editor", SA)], True, "", ""),  # the default compute account's default role
+    ([("roles/storage.objectUser", SA)], False, "", ""),
+    ([("roles/storage.objectViewer", SA)], False, "holds no role on project proj or gs://bkt granting storage.objects.create", ""),
+    ([], False, "(its roles: none)", ""),
+    ([("roles/storage.objectAdmin", SA)], True, "--teardown: the VMs' service account", ""),
+    ([("projects/proj/roles/custom", SA)], False, "", "cannot read"),
+])
+def test_the_vms_service_account_needs_roles_for_what_the_hosts_do(bindings, teardown, refused, warned):
+    policy = {"bindings": [{"role": r, "members": [f"serviceAccount:{m}"]} for r, m in bindings]}
+    run = FakeGcloud(**{"projects describe": {"projectNumber": "123"}, "projects get-iam-policy": policy,
+                        "storage buckets get-iam-policy": {"bindings": []}})
+    why, warning = pods.check_account(_live(teardown=teardown), run)
+    assert (refused in why if refused else why == "") and bool(warning) == bool(warned), (why, warning)
+    if why:
+        assert f"--member=serviceAccount:{SA}" in why
+    run = FakeGcloud()  # policies this user cannot read: a warning, not a refusal
+    assert pods.check_account(_live(service_account="sa@proj.iam.gserviceaccount.com"), run)[0] == ""
+
+
+def test_the_zone_must_offer_the_type_and_no_stray_node_may_hold_the_name():
+    run = FakeGcloud(**{"compute tpus tpu-vm accelerator-types list": [{"type": "v5p-8"}, {"type": "v5p-32"}],
+                        "compute tpus tpu-vm list": [{"name": "projects/p/locations/z/nodes/pod-1"}]})
+    why, _ = pods.check_offered(_live(accelerator="v5p-16"), run)
+    assert "us-east5-a does not offer v5p-16 (it offers v5p-32, v5p-8)" in why
+    assert pods.check_offered(_live(accelerator="v5p-8"), run) == ("", "")
+    assert "TPU node pod-1 already exists in us-east5-a" in pods.check_nodes(_live(), None, run)
+    assert pods.check_nodes(_live(), {"state": {"state": "ACTIVE"}}, run) == ""  # its own node
+    assert pods.check_nodes(_live(slices=2), None, run) == ""  # multislice nodes are pod-1-0, pod-1-1
+
+
+def test_the_buckets_location_is_printed_beside_the_zone_and_a_region_apart_is_warned():
+    note, warn = pods.check_location(_live(), FakeGcloud(**{"storage buckets describe": {"location": "US-EAST5"}}))
+    assert note == "bucket gs://bkt is in US-EAST5, the pod in us-east5-a" and warn == ""
+    note, warn = pods.check_location(_live(), FakeGcloud(**{"storage buckets describe": {"location": "EU"}}))
+    assert "is in EU" in note and "not in the pod's region us-east5" in warn and "egress" in warn
+
+
+def test_a_vm_account_without_bucket_roles_is_refused_before_create_and_would_never_boot(standin, gcs, tmp_path):
+    """The stand-in's bucket refuses the VMs' calls by identity from the project's IAM policy. With the
+    default compute account stripped of its roles, `up` refuses before anything is uploaded or created,
+    naming the account and the grant; a resource created anyway never boots (the fetch is refused)."""
+    from tests.standin import iam
+
+    iam.save(standin.root, enforce=True, project={"bindings": [
+        {"role": "roles/owner", "members": ["user:user@example.com"]}]})
+    out = tmp_path / "b"
+    assert sw.main([str(_sweep(tmp_path)), "--root", gcs.url("r"), *TPU, "--accelerator", "v5litepod-4",
+                    "--check-fit", "off", "--out", str(out), "--dry-run"]) == 0
+    r = _up(out / "launch_tpu.sh")
+    assert r.returncode == 1 and f"the VMs' service account {iam.DEFAULT_SA} holds no role" in r.stderr
+    assert "roles/storage.objectUser" in r.stderr and standin.state("pod-1") is None and not gcs.objects("r/")
+    # what today's launcher met: created anyway, the host's first download is refused, no agent ever starts
+    gcs.write(gcs.url("r/cl/_pods/pod-1/_launch/startup.sh"), (out / "startup.sh").read_text())
+    standin.configure(emulator_env={**standin.config["emulator_env"], "DILOCO_BOOT_TRIES": "2",
+                                    "DILOCO_BOOT_BACKOFF_S": "0"})
+    standin.create("pod-1", zone="us-east5-a", accelerator_type="v5litepod-4", runtime_version="v",
+                   node_id="pod-1", metadata_files={"startup-script": str(out / "bootstrap.sh")})
+    log = standin.host("pod-1", 0, 0).home / "diloco" / "boot.log"
+    standin.wait_for(lambda: log.exists() and "boot failed" in log.read_text(), 60, "the refused boot")
+    assert "could not fetch" in log.read_text()
+    assert "403" in (standin.host("pod-1", 0, 0).home / "startup.log").read_text()

@@ -469,9 +469,16 @@ def test_up_creates_waits_and_recreates_a_suspended_resource(dry_bundle, tmp_pat
     assert sorted(Path(p).name for p in calls[cp][2:-1]) == sorted(p.name for p in dry_bundle[0].iterdir()
                                                                     if p.name != bundle.MARKER)
     assert calls[cp + 1] == ["storage", "rm", f"{ns}/_launch/control/stop"]
-    # before the upload: this resource's shape, and the other launches on the root
-    assert calls[:cp] == [["compute", "tpus", "queued-resources", "describe", "pod-1", "--zone=us-east5-a",
-                           "--project=proj", "--format=json"], ["storage", "ls", "gs://bkt/runs/two/_pods/*/_launch/plan.json"]]
+    # before the upload (diloco.tpu.pods): this resource's shape, nodes of its names, the types the zone offers,
+    # the bucket's location, the VMs' account's roles, the other launches on the root
+    assert calls[:cp] == [
+        ["compute", "tpus", "queued-resources", "describe", "pod-1", "--zone=us-east5-a", "--project=proj", "--format=json"],
+        ["compute", "tpus", "tpu-vm", "list", "--zone=us-east5-a", "--project=proj", "--format=json"],
+        ["compute", "tpus", "tpu-vm", "accelerator-types", "list", "--zone=us-east5-a", "--project=proj", "--format=json"],
+        ["storage", "buckets", "describe", "gs://bkt", "--format=json"],
+        ["projects", "get-iam-policy", "proj", "--format=json"],
+        ["storage", "buckets", "get-iam-policy", "gs://bkt", "--format=json"],
+        ["storage", "ls", "gs://bkt/runs/two/_pods/*/_launch/plan.json"]]
     create = next(c for c in calls if "create" in c)
     assert create == ["compute", "tpus", "queued-resources", "create", "pod-1", "--zone=us-east5-a", "--project=proj",
                       "--accelerator-type=v5p-16", "--runtime-version=v2-alpha-tpuv5", "--node-count=2",
@@ -682,7 +689,7 @@ def test_up_start_status_logs_stop_down_on_the_standin_run_every_line_of_the_lau
     out = tmp_path / "bundle"
     standin.configure(cpu_devices=4, waiting_s=None)
     assert sw.main(_lifecycle_sweep(tmp_path, gcs, out)) == 0
-    script, base = out / "launch_tpu.sh", gcs.url("runs/life")
+    script, base = out / "launch_tpu.sh", gcs.url("runs/life/_pods/pod-1")
     assert _sh(script, env=env).returncode == 2
     r = _sh(script, "logs", "steps=60", env=env)
     assert r.returncode == 1 and "no logs yet" in r.stderr

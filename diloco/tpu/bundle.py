@@ -38,6 +38,7 @@ of truth (ask for a key by editing it here and saying so in the commit message):
   lost_after_s     a host whose heartbeat is older than this is lost
   stop_grace_s     after SIGTERM (abort/stop), SIGKILL the training process after this many seconds
   teardown         true: the leader deletes the queued resource once every point is finished or failed
+  service_account  the VMs' account (--service-account; "": the project's default compute account)
   env              extra environment of every training process, e.g. JAX_COMPILATION_CACHE_DIR on the bucket
   boot_wait_s      the leader fails a point (naming the host and its last boot-log lines) when a host has
                    sent no heartbeat this long after the leader's agent started
@@ -82,10 +83,9 @@ def sha256_file(p: str | os.PathLike) -> str:
 
 MAX_TREE_BYTES = 64 << 20  # the repository is ≈ 3 MB; more means data or an environment was committed
 # names that hold credentials: private keys, service-account or OAuth JSON, .env files, token files
-SECRET_NAME = re.compile(r"(^|/)(\.env(\.[^/]*)?|\.netrc|\.pypirc|\.git-credentials|id_(rsa|dsa|ecdsa|ed25519)"
-                         r"|[^/]*\.(pem|key|p12|pfx|jks|keystore)|[^/]*(credential|secret|token|service[-_]?account)"
-                         r"[^/]*\.json|(application_default_credentials|client_secrets?|key|keyfile|sa|gcp[-_]key)"
-                         r"\.json)$", re.IGNORECASE)
+SECRET_NAME = re.compile(r"\.env(\..*)?|\.netrc|\.pypirc|\.git-credentials|id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx"
+                         r"|jks|keystore)|(.*[-_.])?(credentials?|secrets?|tokens?|service[-_]?account|client_secrets?"
+                         r"|keyfile|key|sa)([-_.].*)?\.json", re.IGNORECASE)  # matched against the file's name
 SECRET_HEAD = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----|\"type\"\s*:\s*\"(service_account|"
                          rb"authorized_user|external_account)\"|\"private_key\"\s*:")
 
@@ -93,7 +93,7 @@ SECRET_HEAD = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----|\"type\"\s*:\s
 def looks_like_credential(rel: str, head: bytes) -> bool:
     """By name (SECRET_NAME), or a file that starts as a key file or credential JSON does: its first
     4 KiB hold a PEM private key, or it is .json with a service-account / OAuth user / private_key field."""
-    if SECRET_NAME.search(rel):
+    if SECRET_NAME.fullmatch(rel.rsplit("/", 1)[-1]):
         return True
     if rel.endswith(".json") or head.lstrip().startswith(b"-----BEGIN"):
         return bool(SECRET_HEAD.search(head))
@@ -264,6 +264,7 @@ def write(out: Path, sweep: dict, checked, root: str, qr: str, zone: str, projec
             "tree": {"url": f"{launch}/{tar.name}", "sha256": tree_sha}, "lock_sha256": lock_sha,
             "source": git_source(), "points": points, "max_attempts": max_attempts, "lost_after_s": lost_after_s,
             "stop_grace_s": stop_grace_s, "boot_wait_s": boot_wait_s, "teardown": teardown,
+            "service_account": service_account,
             "env": {"JAX_COMPILATION_CACHE_DIR": f"{launch}/jax-cache", "TF_CPP_MIN_LOG_LEVEL": "3",
                     "EPATH_USE_TF": "false"}}
     (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")

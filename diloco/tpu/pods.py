@@ -5,7 +5,14 @@ One pod, one namespace: a launch's coordination lives in ROOT/<sweep>/_pods/<que
   - when another launch on the same root runs one of this bundle's points and its queued resource still
     exists (both would train the same run folder): naming it, its points and the way out;
   - when this bundle's queued resource exists with another accelerator type or node count (the bundle's
-    hosts, processes and mesh would not be the pod's): naming both and the way out.
+    hosts, processes and mesh would not be the pod's): naming both and the way out;
+  - when a TPU node of one of its node names exists outside it (the queued resource would go FAILED);
+  - when the zone does not offer the accelerator type;
+  - when the VMs' service account (--service-account, else the project's default compute account) holds
+    no role, on the project or the bucket, granting what the hosts do: storage.objects get/create/delete/
+    list on the bucket, and tpu.queuedResources.delete with --teardown (predefined roles only: a custom
+    role, or a policy this account cannot read, is a warning, not a refusal).
+It prints the bucket's location beside the zone, with a warning when they differ.
 Exit 0 when `up` may go on, 1 with one line on stderr when refused. Runs `gcloud storage ls|cat` and
 `gcloud compute tpus queued-resources describe` (the laptop's credentials, as `up`); creates nothing.
 """
@@ -94,13 +101,147 @@ def check_others(plan: dict, others: list[dict], describe_fn=describe) -> str:
     return ""
 
 
+def gcloud_json(args: list[str], run=subprocess.run):
+    """The JSON a gcloud command prints, None when it fails."""
+    r = run(["gcloud", *args, "--format=json"], capture_output=True, text=True)
+    try:
+        return json.loads(r.stdout) if r.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+def node_names(plan: dict) -> list[str]:
+    return [plan["qr"]] if int(plan["slices"]) == 1 else [f"{plan['qr']}-{i}" for i in range(int(plan["slices"]))]
+
+
+def check_nodes(plan: dict, desc: dict | None, run=subprocess.run) -> str:
+    """'' or the refusal: a node of this launch's name exists while its queued resource does not."""
+    if desc is not None:
+        return ""
+    nodes = gcloud_json(["compute", "tpus", "tpu-vm", "list", f"--zone={plan['zone']}",
+                         *where(plan)[1:]], run) or []
+    have = {n.get("name", "").rsplit("/", 1)[-1] for n in nodes}
+    clash = [n for n in node_names(plan) if n in have]
+    if not clash:
+        return ""
+    return (f"TPU node {clash[0]} already exists in {plan['zone']} outside a queued resource {plan['qr']}: the queued "
+            f"resource would go FAILED; `gcloud compute tpus tpu-vm delete {clash[0]} {' '.join(where(plan))}` or "
+            f"bundle again with another --tpu")
+
+
+def check_offered(plan: dict, run=subprocess.run) -> tuple[str, str]:
+    """(refusal, warning): the accelerator type among those the zone offers."""
+    types = gcloud_json(["compute", "tpus", "tpu-vm", "accelerator-types", "list", *where(plan)], run)
+    if types is None:
+        return "", f"could not list the accelerator types of {plan['zone']}; not checked"
+    offered = sorted({t.get("type") or t.get("name", "").rsplit("/", 1)[-1] for t in types})
+    if plan["accelerator"] in offered:
+        return "", ""
+    gen = plan["accelerator"].split("-")[0]
+    same = [t for t in offered if t.startswith(gen + "-")]
+    return (f"{plan['zone']} does not offer {plan['accelerator']} (it offers {', '.join(same[:6]) or 'no ' + gen}"
+            f"{', …' if len(same) > 6 else ''}); choose a zone that does (`gcloud compute tpus tpu-vm "
+            f"accelerator-types list --zone=…`)"), ""
+
+
+def bucket_of(plan: dict) -> str:
+    return plan["base"].removeprefix("gs://").split("/", 1)[0]
+
+
+def check_location(plan: dict, run=subprocess.run) -> tuple[str, str]:
+    """(note, warning): the bucket's location beside the zone."""
+    info = gcloud_json(["storage", "buckets", "describe", f"gs://{bucket_of(plan)}"], run)
+    if not info:
+        return "", f"could not read the location of gs://{bucket_of(plan)}; not checked"
+    loc, region = str(info.get("location", "?")).lower(), plan["zone"].rsplit("-", 1)[0]
+    note = f"bucket gs://{bucket_of(plan)} is in {loc.upper()}, the pod in {plan['zone']}"
+    if loc == region:
+        return note, ""
+    return note, (f"the bucket (in {loc.upper()}) is not in the pod's region {region}: every checkpoint, log and "
+                  "data read crosses regions (latency, and egress billed per GB); a bucket in the pod's region is best")
+
+
+# predefined roles and what of theirs the hosts need: object get/create/delete/list (D = queued-resource delete)
+ALL = frozenset("gcdl")
+ROLE_GRANTS = {"roles/owner": ALL | {"D"}, "roles/editor": ALL | {"D"}, "roles/storage.admin": ALL,
+               "roles/storage.objectAdmin": ALL, "roles/storage.objectUser": ALL,
+               "roles/storage.objectViewer": set("gl"), "roles/storage.objectCreator": set("c"),
+               "roles/storage.legacyObjectReader": set("g"), "roles/storage.legacyObjectOwner": set("g"),
+               "roles/storage.legacyBucketReader": set("l"), "roles/storage.legacyBucketWriter": set("cdl"),
+               "roles/storage.legacyBucketOwner": set("cdl"), "roles/tpu.admin": {"D"}}
+PERMS = {"g": "storage.objects.get", "c": "storage.objects.create", "d": "storage.objects.delete",
+         "l": "storage.objects.list", "D": "tpu.queuedResources.delete"}
+
+
+def vm_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
+    """(the VMs' service account, the project id) — the default compute account unless --service-account."""
+    project = plan.get("project") or run(["gcloud", "config", "get-value", "project"], capture_output=True,
+                                         text=True).stdout.strip()
+    if plan.get("service_account"):
+        return plan["service_account"], project
+    info = gcloud_json(["projects", "describe", project], run) if project else None
+    number = (info or {}).get("projectNumber")
+    return (f"{number}-compute@developer.gserviceaccount.com" if number else ""), project
+
+
+def check_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
+    """(refusal, warning): the VMs' service account holds roles for what the hosts do."""
+    sa, project = vm_account(plan, run)
+    if not sa:
+        return "", "could not tell the VMs' service account (no project number); its roles not checked"
+    member = f"serviceAccount:{sa}"
+    policies = [gcloud_json(["projects", "get-iam-policy", project], run) if project else None,
+                gcloud_json(["storage", "buckets", "get-iam-policy", f"gs://{bucket_of(plan)}"], run)]
+    if any(p is None for p in policies):
+        return "", f"could not read the IAM policies of project {project} and gs://{bucket_of(plan)}; {sa}'s roles not checked"
+    roles = {b.get("role") for p in policies for b in p.get("bindings", []) if member in b.get("members", [])}
+    grants = set().union(*(ROLE_GRANTS.get(r, set()) for r in roles))
+    unknown = sorted(r for r in roles if r not in ROLE_GRANTS and (not r.startswith("roles/") or
+                                                                   r.startswith("roles/storage.")))
+    need = set(ALL) | ({"D"} if plan.get("teardown") else set())
+    missing = [PERMS[k] for k in sorted(need - grants, key="gcdlD".index)]
+    if not missing:
+        return "", ""
+    if unknown:
+        return "", (f"{sa} has roles {', '.join(unknown)} this check cannot read; make sure they grant "
+                    f"{', '.join(missing)} (docs/distributed.md §9)")
+    have = ", ".join(sorted(roles)) or "none"
+    if missing != [PERMS["D"]]:
+        return (f"the VMs' service account {sa} holds no role on project {project} or gs://{bucket_of(plan)} "
+                f"granting {', '.join(missing)} (its roles: {have}): the hosts could not fetch the tree or write "
+                f"heartbeats; `gcloud storage buckets add-iam-policy-binding gs://{bucket_of(plan)} "
+                f"--member={member} --role=roles/storage.objectUser`"), ""
+    return (f"--teardown: the VMs' service account {sa} cannot delete the queued resource (its roles: {have}); "
+            f"`gcloud projects add-iam-policy-binding {project} --member={member} --role=roles/tpu.admin`, or "
+            "bundle without --teardown"), ""
+
+
+def check_up(plan: dict, run=subprocess.run, say=print) -> str:
+    """Every check of `up`, in order; '' when it may go on (notes and warnings said on the way)."""
+    desc = describe(plan["qr"], plan, run)
+    why = check_shape(plan, desc) or check_nodes(plan, desc, run)
+    if why:
+        return why
+    for check in (check_offered, check_location, check_account):
+        first, second = check(plan, run)
+        if check is check_location:
+            if first:
+                say(f"launch_tpu.sh up: {first}")
+            first = ""
+        if first:
+            return first
+        if second:
+            say(f"launch_tpu.sh up: warning: {second}")
+    return check_others(plan, other_launches(plan, run), lambda qr, p: describe(qr, p, run))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diloco.tpu.pods", description=__doc__.splitlines()[0])
     ap.add_argument("cmd", choices=["check-up"])
     ap.add_argument("plan", help="the bundle's local plan.json")
     args = ap.parse_args(argv)
     plan = read_json(args.plan)
-    why = check_shape(plan, describe(plan["qr"], plan)) or check_others(plan, other_launches(plan))
+    why = check_up(plan)
     if why:
         print(f"launch_tpu.sh up: refused: {why}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """`python -m diloco.tpu.status BASE`: where a sweep on Cloud TPU stands, read from its bucket.
 
-BASE is ROOT/SWEEP (gs:// or local); the files are the ones diloco/tpu/agent.py writes. Per point:
+BASE is a launch folder, ROOT/SWEEP/_pods/QR (gs:// or local); the files are the ones diloco/tpu/agent.py writes. Per point:
   waiting   no attempt yet (what the leader waits for, when it says)
   running   attempt n and the run's last metrics row (or `stopped` after `launch_tpu.sh stop`)
   finished  final_eval_loss and params_sha256 of its summary.json
@@ -60,7 +60,7 @@ def collect(base: str, now: float | None = None) -> dict:
     L = Layout(base)
     plan = load(L.base / "_launch" / "plan.json")
     if plan is None:
-        raise SystemExit(f"diloco status: {L.base}/_launch/plan.json not found: is {base} a sweep's BASE (ROOT/SWEEP)?")
+        raise SystemExit(f"diloco status: {L.base}/_launch/plan.json not found: is {base} a launch folder (ROOT/SWEEP/_pods/QR)?")
     all_hosts = hosts(plan)
     lost_after = float(plan.get("lost_after_s", TIMING["lost_after_s"]))
     host_rows = []
@@ -149,7 +149,7 @@ def busy(base: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diloco.tpu.status", description=__doc__.splitlines()[0])
-    ap.add_argument("base", help="ROOT/SWEEP, e.g. gs://bucket/runs/my_sweep")
+    ap.add_argument("base", help="ROOT/SWEEP/_pods/QR, e.g. gs://bucket/runs/my_sweep/_pods/dl-1b")
     ap.add_argument("--wait-stopped", type=float, default=None, metavar="SECONDS",
                     help="wait until every host's agent has stopped (after the stop marker)")
     ap.add_argument("--busy", action="store_true", help="exit 0 when some host runs a point now, 1 otherwise")

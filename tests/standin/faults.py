@@ -6,6 +6,7 @@ service account that lacks a permission.
                     "error": "…"}]   the next N calls whose argv contains every word (substrings) fail
     denied.json   {identity: [permission, …]}  calls made as that identity and needing one of these fail
                   with 403; a host's identity is its resource's --service-account, else DEFAULT_SA
+  project.json    (iam.py) with "enforce": what the IAM policies grant decides, by identity
 Permissions: gs:// read = storage.objects.get, gs:// write = storage.objects.create, rm =
 storage.objects.delete, ls = storage.objects.list, queued-resources delete = tpu.queuedResources.delete.
 """
@@ -16,7 +17,8 @@ import fcntl
 import json
 from pathlib import Path
 
-DEFAULT_SA = "default-compute@developer.gserviceaccount.com"
+from .iam import DEFAULT_SA, refused as iam_refused  # noqa: F401 (DEFAULT_SA: a VM's identity by default)
+
 LAPTOP = "user@example.com"
 
 
@@ -81,8 +83,9 @@ def needs(argv: list[str]) -> list[str]:
 
 def refused(root: Path, argv: list[str], identity: str) -> str | None:
     p = root / "denied.json"
-    if not p.exists():
-        return None
-    denied = set(json.loads(p.read_text()).get(identity, []))
+    denied = set(json.loads(p.read_text()).get(identity, [])) if p.exists() else set()
     missing = [n for n in needs(argv) if n in denied]
-    return f"HTTPError 403: {identity} does not have {missing[0]} access" if missing else None
+    if missing:
+        return f"HTTPError 403: {identity} does not have {missing[0]} access"
+    bucket = next((a[5:].split("/", 1)[0] for a in argv if a.startswith("gs://")), None)
+    return iam_refused(root, needs(argv), identity, bucket)

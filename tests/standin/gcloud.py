@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `standin`
-from standin import faults  # noqa: E402
+from standin import faults, iam  # noqa: E402
 from standin.cloud import MARKER, Cloud, GcloudError, duration_seconds  # noqa: E402
 
 GLOBAL = ("--project", "--quiet", "-q", "--format")
@@ -558,6 +558,9 @@ def main(argv: list[str]) -> int:
         alpha = rest[:1] == ["alpha"]
         if alpha:
             rest = rest[1:]
+        done = iam.command(cloud, [w for w in rest if not w.startswith("-")][:5], rest)
+        if done is not None:
+            return done
         if rest[:3] == ["compute", "tpus", "queued-resources"] and len(rest) > 3:
             command = f"gcloud.{'alpha.' if alpha else ''}compute.tpus.queued-resources.{rest[3]}"
             return queued_resources(cloud, rest[3], rest[4:], alpha)
