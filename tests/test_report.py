@@ -500,3 +500,25 @@ def test_claims_golden_same_inputs_same_claims_files(build, tmp_path):
         if os.environ.get("DILOCO_WRITE_CLAIMS_GOLDEN"):
             gold.write_text(text)
         assert text == gold.read_text(), f"{f} of the {build!r} build differs from {gold}"
+
+
+def test_readme_result_quotes_the_committed_claims():
+    """The README's three-line result is written by hand (no table rebuild rewrites the README): every
+    gap ± interval it quotes is a row of results/claims.csv at tiny, with the verdict it states for the
+    headline row."""
+    import re
+
+    from diloco.report.claims import HEADLINE
+
+    readme = (report.PAPER_DIR.parents[1] / "README.md").read_text()
+    result = readme[readme.index("**Result**"):readme.index("(results/claims.md)")]
+    quoted = [(float(m.replace("−", "-")), float(u)) for m, u in re.findall(r"([+−-]\d+\.\d\d) ± (\d+\.\d\d) %", result)]
+    assert len(quoted) == 3, result
+    c = _read_claims(report.PAPER_DIR.parent / "claims.csv")
+    tiny = c[c.runs.str.startswith("claims_headline_tiny ") & c.ours_ci_pct.notna()]
+    rows = {(round(r.ours_gap_pct, 2), round(r.ours_ci_pct, 2)): r for r in tiny.itertuples()}
+    for q in quoted:
+        assert q in rows, f"README quotes {q}, not a tiny row of results/claims.csv"
+    head = tiny.set_index("claim").loc[HEADLINE]
+    assert (round(head.ours_gap_pct, 2), round(head.ours_ci_pct, 2)) in quoted
+    assert f"is {head.verdict}" in result.replace("\n", " ")
