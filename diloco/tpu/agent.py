@@ -59,9 +59,9 @@ from typing import Any, Callable
 
 from diloco.errors import ConfigError
 from diloco.rundir import atomic_write_json, atomic_write_text, path, read_json
+from diloco.tpu.decide import LEADER, HostView, PointView, age, boot_tail, decide, host_decide, label, next_status
 from diloco.tpu.host import free_chips, raise_nofile
 
-LEADER = "0-0"
 ENV_SLICE, ENV_WORKER, ENV_ATTEMPT = "DILOCO_TPU_SLICE", "DILOCO_TPU_WORKER", "DILOCO_TPU_ATTEMPT"
 # plan.json keys this module reads beyond the sweep's own, with their defaults (bundle.py's schema)
 TIMING = {"poll_s": 10.0, "log_upload_s": 30.0, "lost_after_s": 120.0, "abort_grace_s": 60.0, "stop_grace_s": 900.0}
@@ -89,11 +89,6 @@ def load_plan(p: str) -> dict:
 
 def hosts(plan: dict) -> list[str]:
     return [f"{s}-{w}" for s in range(int(plan["slices"])) for w in range(int(plan["hosts_per_slice"]))]
-
-
-def label(host: str) -> str:
-    s, w = host.split("-")
-    return f"slice{s}-worker{w}"
 
 
 class Layout:
@@ -170,32 +165,6 @@ def read_text(p) -> str | None:
         return None
 
 
-# -- what the hosts see --------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class PointView:
-    """One point's state in the bucket as read at `now` (exits and starts of attempt `go` only)."""
-    hosts: tuple[str, ...]
-    go: int = 0                                    # the latest attempt the leader started (0: none)
-    abort: str | None = None                       # attempt `go`'s abort reason
-    exits: dict[str, dict] = dataclasses.field(default_factory=dict)   # host → exit record
-    starts: frozenset[str] = frozenset()           # hosts that started a child for attempt `go`
-    beats: dict[str, dict] = dataclasses.field(default_factory=dict)   # host → heartbeat
-    summary: bool = False                          # the run's summary.json exists
-    status: dict = dataclasses.field(default_factory=dict)             # status.json (the leader's record)
-    stop: bool = False
-    now: float = 0.0
-    since: float = 0.0                             # when the leader's agent started
-    boot: dict[str, list] = dataclasses.field(default_factory=dict)    # host without heartbeat → boot log tail
-
-
-def boot_tail(text: str | None, n: int = 3) -> list[str]:
-    return [ln.strip() for ln in (text or "").splitlines() if ln.strip()][-n:]
-
-
-def age(beat: dict | None, now: float) -> float:
-    return float("inf") if not beat else now - float(beat.get("time", 0))
-
-
 def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: float, stop: bool,
               since: float = 0.0) -> PointView:
     """The leader reads every host's files; a follower only its own and the leader's heartbeat."""
@@ -221,144 +190,6 @@ def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: f
     boot = {h: boot_tail(read_text(layout.boot_log(h))) for h in all_hosts if lead and h not in beats}
     return PointView(tuple(all_hosts), go, abort, exits, frozenset(starts), beats, bool(summary),
                      load(layout.status(name), {}) or {}, stop, now, since, boot)
-
-
-# -- the leader's decision (pure) ----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Action:
-    kind: str            # wait | go | abort | finish | fail
-    attempt: int = 0
-    reason: str = ""     # why (abort, fail, the previous attempt's end for go); what it waits for
-
-
-def failures(v: PointView) -> list[str]:
-    return [f"{label(h)} {v.exits[h].get('reason') or 'exited with code %s' % v.exits[h].get('code')}"
-            for h in v.hosts if h in v.exits and v.exits[h].get("code") != 0]
-
-
-def stopped(v: PointView) -> bool:
-    return any(e.get("stopped") for e in v.exits.values())
-
-
-def attempts_used(v: PointView) -> int:
-    """Attempts up to `go` that count against max_attempts: all but those ended by a stop."""
-    earlier = v.status.get("attempts", {})
-    used = sum(1 for k, a in earlier.items() if int(k) < v.go and a.get("result") != "stopped")
-    return used + (1 if v.go and not stopped(v) else 0)
-
-
-def decide(v: PointView, max_attempts: int, lost_after_s: float, boot_wait_s: float = float("inf")) -> Action:
-    """What the leader does next for this point. A host that has sent no heartbeat boot_wait_s after the
-    leader's agent started fails the point (its boot log's last lines in the reason): chips bill meanwhile."""
-    n = v.go
-    lost = {h for h in v.hosts if age(v.beats.get(h), v.now) > lost_after_s}
-
-    def gone(h: str) -> str:
-        return f"{label(h)} lost (no heartbeat for {lost_after_s:.0f} s)" if h in v.beats else \
-            f"{label(h)} (no heartbeat yet)"
-
-    if n:
-        missing = [h for h in v.hosts if h not in v.exits]
-        if missing:
-            if v.stop:
-                return Action("wait", n, f"stop requested; waiting for {', '.join(map(label, missing))} to stop")
-            if v.abort is None:
-                why = failures(v) + [gone(h) for h in missing if h in lost]
-                return Action("abort", n, "; ".join(why)) if why else Action("wait", n, "running")
-            return Action("wait", n, f"attempt {n} aborted; waiting for the exit of "
-                          + ", ".join(gone(h) if h in lost else label(h) for h in missing))
-        if all(e.get("code") == 0 for e in v.exits.values()) and v.summary:
-            return Action("finish", n, "every host exited 0")
-        if not stopped(v) and attempts_used(v) >= max_attempts:
-            return Action("fail", n, f"attempt {n} (of at most {max_attempts}): {ended_reason(v)}")
-    if v.stop:
-        return Action("wait", n, "stop requested")
-    never = [h for h in v.hosts if h not in v.beats]
-    if never and v.now - v.since > boot_wait_s:
-        return Action("fail", n, "; ".join(
-            f"{label(h)} never started (no heartbeat {boot_wait_s:.0f} s after the leader's agent started): "
-            + (f"last boot log lines: {' | '.join(v.boot[h])}" if v.boot.get(h) else
-               "no boot log in the bucket (see docs/distributed.md §9: the VM's service account, its journal)")
-            for h in never))
-    busy = [gone(h) if h in lost else f"{label(h)} ({v.beats[h].get('state')})" for h in v.hosts
-            if h in lost or v.beats[h].get("state") != "idle"]
-    if busy:
-        return Action("wait", n, f"waiting for {', '.join(busy)} to be idle")
-    return Action("go", n + 1, ended_reason(v) if n else "")
-
-
-def ended_reason(v: PointView) -> str:
-    if stopped(v):
-        return "stopped"
-    if v.abort:
-        return v.abort
-    return "; ".join(failures(v)) or "every host exited 0 but the run wrote no summary.json"
-
-
-def next_status(old: dict, a: Action, v: PointView) -> dict:
-    """status.json after the leader's action; the same action twice gives the same record."""
-    st = json.loads(json.dumps(old or {}))
-    atts = st.setdefault("attempts", {})
-    if v.go and a.kind in ("go", "finish", "fail"):  # attempt v.go is over: how it ended
-        rec = atts.setdefault(str(v.go), {})
-        rec.update(result="finished" if a.kind == "finish" else "stopped" if stopped(v) else "failed",
-                   reason="" if a.kind == "finish" else ended_reason(v),
-                   exits={h: v.exits[h].get("code") for h in v.hosts})
-        rec.setdefault("ended", v.now)
-    if a.kind == "go":
-        atts.setdefault(str(a.attempt), {}).setdefault("started", v.now)
-        st.update(state="running", attempt=a.attempt, note="")
-    elif a.kind == "abort":
-        atts.setdefault(str(a.attempt), {})["abort"] = a.reason
-        st.update(state="running", attempt=a.attempt, note=f"aborting: {a.reason}")
-    elif a.kind == "finish":
-        st.update(state="finished", attempt=v.go, note="", reason="")
-    elif a.kind == "fail":
-        st.update(state="failed", attempt=v.go, note="", reason=a.reason)
-    else:
-        st.update(state="running" if v.go else "waiting", attempt=v.go, note=a.reason)
-    return st
-
-
-# -- a host's decision (pure) --------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class HostView:
-    point: str | None                  # the first point not finished or failed (None: none left)
-    go: int = 0
-    exited: bool = False               # this host's exit for attempt `go` is written
-    started: bool = False              # … and its start marker
-    abort: str | None = None
-    stop: bool = False
-    leader_age: float | None = None    # seconds since the leader's heartbeat; None on the leader
-    child: tuple[str, int] | None = None   # (point, attempt) of this host's live child
-    killing: bool = False              # its SIGTERM was sent
-
-
-def host_decide(v: HostView, lost_after_s: float) -> tuple[str, str]:
-    """(what this host does, why): run | kill | close | start | idle | exit."""
-    if v.child is not None:
-        if v.killing:
-            return "run", "waiting for the child to exit"
-        if v.stop:
-            return "kill", "stop requested"
-        if v.abort:
-            return "kill", f"attempt aborted: {v.abort}"
-        if v.child != (v.point, v.go):
-            return "kill", f"the leader moved on to {v.point} attempt {v.go}"
-        if v.leader_age is not None and v.leader_age > lost_after_s:
-            return "kill", f"the leader ({label(LEADER)}) is lost: heartbeat {v.leader_age:.0f} s old"
-        return "run", ""
-    if v.go and not v.exited and (v.started or v.abort or v.stop):  # an exit without a child to reap
-        return "close", ("restarted during the attempt; its child was lost with the VM" if v.started
-                         else f"aborted before it started: {v.abort}" if v.abort
-                         else "stop requested before it started")
-    if v.stop:
-        return "exit", "stop requested"
-    if v.point is None:
-        return "exit", "every point is finished or failed"
-    if v.go and not v.exited:
-        return "start", ""
-    return "idle", ""
 
 
 # -- host identity ---------------------------------------------------------------------------------------

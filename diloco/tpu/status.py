@@ -20,8 +20,8 @@ import sys
 import time
 
 from diloco.rundir import path, read_jsonl
-from diloco.tpu.agent import (LEADER, TIMING, Layout, age, boot_tail, fresh_reads, hosts, label, latest_go, load, names,
-                               read_text)
+from diloco.tpu.agent import TIMING, Layout, fresh_reads, hosts, latest_go, load, names, read_text
+from diloco.tpu.decide import LEADER, age, boot_tail, label
 
 TAIL = 12  # log lines shown for a failed point
 
