@@ -5,7 +5,7 @@ DiLoCo overlapped FP4 at H=30 and H=100, at scales tiny and toy), the bytes-exch
 simulator's Table 4 and a τ×α ablation (scale tiny), then `diloco tables`. Every training run is a
 sweep point under --root, so an interrupted reproduce picks up where it stopped.
 
-  diloco reproduce                                   # ≈ 13 min on 2 CPU cores (--estimate: here): a SHORT budget
+  diloco reproduce                                   # ≈ 13 min on 2 CPU cores (--estimate: on yours): a SHORT budget
   diloco reproduce --full                            # the claims table at ≈20 tokens/parameter (hours)
   diloco reproduce --data c4 --data_dir ~/tensorflow_datasets --scale 35M+100M --root gs://…
 
