@@ -1,4 +1,5 @@
-"""Outer-gradient codecs: exact formats, error bounds, unbiasedness, byte counts, jit/vmap."""
+"""Outer-gradient codecs: one invariants test over every format of the registry (codecs.FORMATS: bytes,
+representable values, vmap, split over chips, unbiased draws), then hand tables and error bounds."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +33,106 @@ def inputs():
         # Student-t with 3 dof: heavy tails, so one block's absmax dwarfs its typical element.
         "student_t3": (rng.standard_t(3.0, N_ERR) * 1e-3).astype(np.float32),
     }
+
+
+# ---- invariants of every format in the registry ----------------------------------------------------
+
+def _codec(name, rounding="nearest", block_size=64, keep=0.25):
+    """A codec of the format; sparsifiers keep `keep` of their items."""
+    return C.make_codec(name, block_size=block_size, rounding=rounding,
+                        keep_fraction=keep if C.FORMATS[name].keeps else None)
+
+
+def _roundings(name):
+    return ("nearest", "stochastic") if C.FORMATS[name].draws == "rounding" else ("nearest",)
+
+
+FORMAT_CASES = [(n, r) for n in C.FORMATS for r in _roundings(n)]
+
+
+@pytest.mark.parametrize("name,rounding", FORMAT_CASES)
+def test_every_format_keeps_the_registry_invariants(name, rounding):
+    """For every registry entry: its byte count is its payload's, at lengths that do and do not fill a
+    block; its representable values come back exactly; a vmapped (replica-stacked) encode gives each
+    replica what it would send alone, and decodes to float32 (n,); a key is needed exactly when it
+    draws; when it may be split over chips, encoding each chip's slice decodes to the whole's values."""
+    f, key = C.FORMATS[name], jax.random.PRNGKey(0)
+    assert f.family in C.FAMILIES and f.draws in ("never", "rounding", "always")
+    codec = _codec(name, rounding)
+    for n in (1, 7, 63, 64, 65, 301, 1024):
+        shapes = jax.eval_shape(lambda x, k: C.encode(codec, x, k), jax.ShapeDtypeStruct((n,), jnp.float32), key)
+        assert _payload_bytes(shapes) == C.encoded_nbytes(codec, n), n
+    p = _encode(codec, jnp.ones((301,)), key)  # and on concrete arrays
+    assert _payload_bytes(p) == C.encoded_nbytes(codec, 301)
+    # representable values (sparsifiers: all of them when every item is kept)
+    whole = _codec(name, rounding, keep=1.0)
+    for n in (64, 301):
+        x = f.exact(whole, n)
+        np.testing.assert_array_equal(_rt(whole, x, jax.random.PRNGKey(n)), x)
+    # vmap over replicas = each replica alone
+    M, n = 3, 301
+    x_MxN = jax.random.normal(jax.random.PRNGKey(1), (M, n))
+    keys = jax.random.split(jax.random.PRNGKey(2), M)
+    batched = jax.jit(jax.vmap(lambda x, k: C.encode(codec, x, k)))(x_MxN, keys)
+    dec_MxN = jax.jit(jax.vmap(lambda pl: C.decode(codec, pl, n)))(batched)
+    assert dec_MxN.shape == (M, n) and dec_MxN.dtype == jnp.float32
+    for m in range(M):
+        single = _encode(codec, x_MxN[m], keys[m])
+        for field, arr in single.items():
+            np.testing.assert_array_equal(np.asarray(batched[field][m]), np.asarray(arr), err_msg=field)
+        np.testing.assert_array_equal(np.asarray(dec_MxN[m]), _rt(codec, x_MxN[m], keys[m]))
+    # a key exactly when it draws
+    if C.stochastic(codec):
+        with pytest.raises(ConfigError, match="key"):
+            jax.eval_shape(lambda x: C.encode(codec, x), jnp.ones(8))
+    else:
+        jax.eval_shape(lambda x: C.encode(codec, x), jnp.ones(8))
+    # split over chips = unsplit (OuterSync.exchange's per-chip slices)
+    unit = C.split_unit(codec)
+    assert (unit == 0) == (C.stochastic(codec) or f.unit(codec) == 0)
+    if unit:
+        chips = 4
+        n = chips * unit * 3
+        x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (n,)))
+        parts = [_rt(codec, x[i * n // chips:(i + 1) * n // chips]) for i in range(chips)]
+        np.testing.assert_array_equal(np.concatenate(parts), _rt(codec, x))
+        assert sum(C.encoded_nbytes(codec, n // chips) for _ in range(chips)) == C.encoded_nbytes(codec, n)
+
+
+DRAWING = [(n, "stochastic") for n in C.FORMATS if C.FORMATS[n].draws != "never"]
+
+
+@pytest.mark.parametrize("name,rounding", DRAWING)
+def test_every_format_that_draws_is_unbiased(name, rounding):
+    """Stochastic rounding (and random sparsification, rescaled): E[decode(encode(x))] = x."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_t(3, 64) * 1e-2).astype(np.float32)  # off-grid values, heavy-tailed
+    codec = _codec(name, rounding, block_size=32, keep=0.5)
+    K = 4000
+    keys = jax.random.split(jax.random.PRNGKey(11), K)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: C.roundtrip(codec, jnp.asarray(x), k)))(keys), np.float64)
+    # Each draw is one of a few values with mean x; the mean over K draws has sd = sqrt(var/K);
+    # 5 sd per element (64 elements -> ~4e-5 false alarm).
+    mean, sd_mean = draws.mean(0), draws.std(0) / np.sqrt(K)
+    assert np.all(np.abs(mean - x) <= 5 * sd_mean + 1e-6 * np.abs(x)), np.max(np.abs(mean - x) / (sd_mean + 1e-30))
+    # Pooled: the mean signed error over all elements, in units of its own sd, is O(1).
+    z = np.sum(mean - x) / np.sqrt(np.sum(sd_mean ** 2))
+    assert abs(z) < 5, z
+    if C.FORMATS[name].draws == "rounding":  # power check: round-to-nearest is biased beyond that tolerance
+        nearest = _rt(_codec(name, block_size=32), x)
+        assert np.any(np.abs(nearest - x) > 5 * sd_mean + 1e-6 * np.abs(x))
+
+
+def test_split_units_and_families_by_hand():
+    """The registry's rows as docs/codecs.md states them."""
+    got = {n: (C.FORMATS[n].family, C.split_unit(C.make_codec(n, block_size=6, keep_fraction=0.5
+                                                               if C.FORMATS[n].keeps else None)))
+           for n in ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "e3m0", "topk", "dare", "dropout")}
+    assert got == {"none": ("fp32", 1), "bf16": ("bf16", 1), "fp8_e4m3": ("fp8", 6), "fp8_e5m2": ("fp8", 6),
+                   "e3m0": ("fp4", 6), "topk": ("sparse", 0), "dare": ("sparse", 0), "dropout": ("sparse", 0)}
+    assert C.split_unit(C.make_codec("e3m0", block_size=7)) == 14  # whole blocks and whole bytes
+    assert C.split_unit(C.make_codec("e3m0", rounding="stochastic")) == 0  # draws depend on the whole vector
+    assert C.split_unit(C.make_codec("none", rounding="stochastic")) == 1  # fp32 draws nothing
 
 
 # ---- E3M0: exact values and byte layout --------------------------------------------------------
@@ -149,46 +250,7 @@ def test_precision_ordering(inputs):
     assert errs == sorted(errs) and errs[0] == 0.0
 
 
-# ---- stochastic rounding is unbiased ------------------------------------------------------------
-
-@pytest.mark.parametrize("name", ["e3m0", "fp8_e4m3", "fp8_e5m2", "bf16"])
-def test_stochastic_rounding_unbiased(name):
-    rng = np.random.default_rng(0)
-    x = (rng.standard_t(3, 64) * 1e-2).astype(np.float32)  # off-grid values, heavy-tailed
-    codec = C.make_codec(name, block_size=32, rounding="stochastic")
-    K = 4000
-    keys = jax.random.split(jax.random.PRNGKey(11), K)
-    draws = np.asarray(jax.jit(jax.vmap(lambda k: C.roundtrip(codec, jnp.asarray(x), k)))(keys), np.float64)
-    # Each draw is lo or hi with p = (x-lo)/(hi-lo): mean x, variance (hi-x)(x-lo) <= gap^2/4.
-    # The mean over K draws has sd = sqrt(var/K); 5 sd per element (64 elements -> ~4e-5 false alarm).
-    mean, sd_mean = draws.mean(0), draws.std(0) / np.sqrt(K)
-    assert np.all(np.abs(mean - x) <= 5 * sd_mean + 1e-6 * np.abs(x)), np.max(np.abs(mean - x) / (sd_mean + 1e-30))
-    # Pooled: the mean signed error over all elements, in units of its own sd, is O(1).
-    z = np.sum(mean - x) / np.sqrt(np.sum(sd_mean ** 2))
-    assert abs(z) < 5, z
-    # Power check: round-to-nearest on the same vector is biased far beyond that tolerance.
-    nearest = _rt(C.make_codec(name, block_size=32), x)
-    assert np.any(np.abs(nearest - x) > 5 * sd_mean + 1e-6 * np.abs(x))
-
-
 # ---- byte counts ----------------------------------------------------------------------------------
-
-ALL_CODECS = [C.make_codec(n, block_size=b) for n in DENSE for b in (256, 7)] + [
-    C.make_codec(n, block_size=b, keep_fraction=f)
-    for n in C.SPARSE_NAMES for b in (256, 7) for f in (0.1, 0.5, 1.0)]
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 7, 255, 256, 257, 1000, 1023])
-def test_encoded_nbytes_matches_real_arrays(n):
-    key = jax.random.PRNGKey(0)
-    for codec in ALL_CODECS:
-        shapes = jax.eval_shape(lambda x, k: C.encode(codec, x, k),
-                                jax.ShapeDtypeStruct((n,), jnp.float32), key)
-        assert _payload_bytes(shapes) == C.encoded_nbytes(codec, n), (codec, n)
-    for codec in ALL_CODECS[:4]:  # and on concrete arrays
-        p = _encode(codec, jnp.ones((n,)), key)
-        assert _payload_bytes(p) == C.encoded_nbytes(codec, n)
-
 
 @pytest.mark.parametrize("name,n,block,expected", [
     ("none", 1000, 256, 4000), ("bf16", 1000, 256, 2000),
@@ -203,29 +265,6 @@ def test_e3m0_is_about_4_bits():
     n = 256 * 4096
     assert C.bits_per_element(C.make_codec("e3m0"), n) == pytest.approx(4 + 32 / 256)
     assert C.bits_per_element(C.make_codec("e3m0", block_size=n), n) == pytest.approx(4, abs=1e-4)
-
-
-# ---- jit / vmap -----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name,rounding", [
-    ("none", "nearest"), ("bf16", "stochastic"), ("fp8_e4m3", "stochastic"), ("fp8_e5m2", "nearest"),
-    ("e3m0", "nearest"), ("e3m0", "stochastic"), ("topk", "nearest"), ("dare", "nearest"),
-    ("dropout", "nearest"),
-])
-def test_encode_under_jit_and_vmap(name, rounding):
-    M, n = 3, 301
-    x_MxN = jax.random.normal(jax.random.PRNGKey(1), (M, n))
-    keys = jax.random.split(jax.random.PRNGKey(2), M)
-    kf = 0.25 if name in C.SPARSE_NAMES else None
-    codec = C.make_codec(name, block_size=64, rounding=rounding, keep_fraction=kf)
-    batched = jax.jit(jax.vmap(lambda x, k: C.encode(codec, x, k)))(x_MxN, keys)
-    dec_MxN = jax.jit(jax.vmap(lambda p: C.decode(codec, p, n)))(batched)
-    assert dec_MxN.shape == (M, n) and dec_MxN.dtype == jnp.float32
-    for m in range(M):  # each replica's payload is exactly what it would send on its own
-        single = _encode(codec, x_MxN[m], keys[m])
-        for field, arr in single.items():
-            np.testing.assert_array_equal(np.asarray(batched[field][m]), np.asarray(arr), err_msg=field)
-    np.testing.assert_allclose(dec_MxN[M - 1], _rt(codec, x_MxN[M - 1], keys[M - 1]), rtol=1e-6)
 
 
 # ---- config errors --------------------------------------------------------------------------------

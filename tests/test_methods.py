@@ -25,7 +25,13 @@ def cfg(**kw) -> dict:
     (dict(method="streaming", H=30, codec="e3m0"), "streaming_fp4_h30"),
     (dict(method="streaming", H=10, replica_tau="1,2"), "streaming_ovl_h10"),  # heterogeneous τ overlaps too
     (dict(method="streaming", H=100, tau=5, alpha=0.0, codec="e3m0"), "streaming_ovl_fp4_h100"),
-    (dict(method="streaming", H=30, tau=1, codec="bf16"), "streaming_ovl_h30"),  # only E3M0 is "fp4"
+    # the format family of the codec registry: each gets its own label (plain `streaming` is FP32)
+    (dict(method="streaming", H=30, tau=1, codec="bf16"), "streaming_ovl_bf16_h30"),
+    (dict(method="streaming", H=30, tau=1, codec="fp8_e4m3"), "streaming_ovl_fp8_h30"),
+    (dict(method="streaming", H=30, codec="fp8_e5m2"), "streaming_fp8_h30"),
+    (dict(method="streaming", H=30, tau=1, codec="dare"), "streaming_ovl_sparse_h30"),
+    (dict(method="streaming", H=30, tau=1, codec="none"), "streaming_ovl_h30"),
+    (dict(method="diloco", H=30, codec="e3m0"), "diloco_fp4_h30"),
 ])
 def test_paper_label_of_hand_written_configs(kw, label):
     assert methods.paper_label(cfg(**kw)) == label
@@ -83,3 +89,38 @@ def test_num_fragments_hand_counts():
         methods.num_fragments(6, 3, 2)
     with pytest.raises(ConfigError, match=r"P=7 fragments for 6 transformer blocks"):
         methods.num_fragments(6, fragments=7)
+
+
+def test_fp8_and_bf16_streaming_runs_get_their_own_labels_in_runs_csv_and_every_table(tmp_path):
+    """The report labels a run by what it ran: Streaming runs of one spec with fp8 / bf16 outer gradients
+    are not passed off as the spec's FP4 (or as FP32 `streaming`) in runs.csv, the bytes table or Table 5."""
+    import json
+
+    import pandas as pd
+
+    from diloco import report
+    from diloco.config import load_config
+
+    root = tmp_path / "runs"
+    for point, spec, codec in (("tiny+dp", "tiny,dp", None), ("tiny+fp4", "tiny,streaming_ovl_fp4_h30", None),
+                               ("tiny+fp8", "tiny,streaming_ovl_fp4_h30", "fp8_e4m3"),
+                               ("tiny+bf16", "tiny,streaming_ovl_fp4_h30", "bf16")):
+        full = f"experiments/c4_scaling.py:{spec}"
+        cfg = load_config(full, [f"--config.codec={codec}"] if codec else [], check_data=False).to_dict()
+        wd = root / "c4_scaling_tiny" / point
+        wd.mkdir(parents=True)
+        (wd / "config.json").write_text(json.dumps(cfg))
+        (wd / "point.json").write_text(json.dumps({"sweep": "c4_scaling_tiny", "spec": full, "point": {"arg": spec},
+                                                   "seed": 0, "base_point": point}))
+        (wd / "summary.json").write_text(json.dumps({
+            "final_eval_loss": 2.0, "bytes_exchanged_total": 1000, "bytes_peak_per_sync": 10, "syncs": 3,
+            "params": 100, "fragments": 1, "tokens": 2000, "wall_seconds": 1.0, "H": cfg["H"], "fragment_sizes": [100]}))
+    report.build(root, tmp_path / "out", quiet=True)
+    want = {"tiny+dp": "data_parallel", "tiny+fp4": "streaming_ovl_fp4_h30", "tiny+fp8": "streaming_ovl_fp8_h30",
+            "tiny+bf16": "streaming_ovl_bf16_h30"}
+    runs = pd.read_csv(tmp_path / "out" / "runs.csv")
+    assert dict(zip(runs.point, runs.label)) == want
+    by_setting = pd.read_csv(tmp_path / "out" / "bytes_exchanged.csv")
+    assert dict(zip(by_setting.setting, by_setting.method)) == want
+    t5 = pd.read_csv(tmp_path / "out" / "table5_c4_scaling.csv")
+    assert set(want.values()) <= set(t5.method)

@@ -115,8 +115,8 @@ def calc(*, params: int, layers: int, tokens: int, batch: int, seq_len: int, met
         P = 1 if method == "diloco" else num_fragments(
             layers, layers_per_fragment if fragments is None else 0, fragments or 0)
         name = codec if codec is not None else DEFAULT_CODEC[method]
-        if bits is None and name not in codecs.ALL_NAMES:
-            raise ConfigError("codec", f"unknown codec {name!r}; valid: {', '.join(codecs.CODEC_NAMES)}")
+        if bits is None and name not in codecs.FORMATS:  # the codec registry
+            raise ConfigError("codec", f"unknown codec {name!r}; valid: {', '.join(codecs.FORMATS)}")
         sizes = fragment_sizes(params, layers, P)
         per_sync = [payload_bytes(n, name, bits, block_size) for n in sizes]
         counts = sync_counts(steps, H, P)

@@ -5,7 +5,10 @@
     encoded_nbytes(codec, n) == sum(a.size * a.dtype.itemsize for a in payload.values())
 
 Pure functions with static shapes: they work under jax.jit and jax.vmap (leading replica axis).
-Formats (docs/codecs.md has the byte layouts):
+`FORMATS` is the registry: one `Format` record per name (encode, decode, bytes, the unit a replica's
+chips may split a fragment by, the family reports label runs by, whether it draws random numbers);
+everything else (OuterSync, methods.classify, `diloco bytes`, the tests) asks it. A new format is one
+entry (docs/extending.md). Formats (docs/codecs.md has the byte layouts):
 
   none      {"values": float32 (n,)}                                   4 bytes/elem
   bf16      {"values": bfloat16 (n,)}                                  2 bytes/elem, no scale
@@ -36,13 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from typing import Callable
+
 from diloco.errors import ConfigError
 from diloco.outer import sparsify
 
-CODEC_NAMES = ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "e3m0")
-SPARSE_NAMES = sparsify.SPARSE_NAMES
-ALL_NAMES = CODEC_NAMES + SPARSE_NAMES
 ROUNDINGS = ("nearest", "stochastic")
+FAMILIES = ("fp32", "bf16", "fp8", "fp4", "sparse")  # what a report's label says a run sent (methods.classify)
 
 # E3M0 magnitude of exponent code e (times the block scale): 0, 2^-6, ..., 2^0.
 E3M0_LEVELS = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], np.float32)  # (8,)
@@ -59,7 +62,7 @@ _FLOATS = {
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    name: str = "none"          # one of ALL_NAMES
+    name: str = "none"          # a key of FORMATS
     block_size: int = 256       # elements per scale block (fp8, e3m0); unit size for "dropout"
     rounding: str = "nearest"   # "nearest" | "stochastic"
     keep_fraction: float = 1.0  # sparsifiers only: fraction of elements (units) kept
@@ -69,14 +72,14 @@ def codec_from_config(cfg, name: str | None = None) -> "Codec":
     """The codec a run's config asks for (`codec`, `codec_block_size`, `codec_rounding`, and
     `codec_keep_fraction` for the pruning baselines); `name` overrides `cfg.codec`."""
     name = name or cfg.codec
-    keep = {"keep_fraction": cfg.codec_keep_fraction} if name in ("topk", "dropout", "dare") else {}
+    keep = {"keep_fraction": cfg.codec_keep_fraction} if name in SPARSE_NAMES else {}
     return make_codec(name, cfg.codec_block_size, cfg.codec_rounding, **keep)
 
 
 def make_codec(name: str, block_size: int = 256, rounding: str = "nearest",
                keep_fraction: float | None = None) -> Codec:
     """Validated Codec; ConfigError names the bad field and the valid values."""
-    if name not in ALL_NAMES:
+    if name not in FORMATS:
         raise ConfigError("codec", f"unknown codec {name!r}; valid: {', '.join(ALL_NAMES)}")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ConfigError("codec_block_size", f"block_size={block_size!r} must be an integer >= 1")
@@ -99,40 +102,57 @@ def num_blocks(n: int, block_size: int) -> int:
     return -(-n // block_size)
 
 
+def fmt(codec: Codec) -> "Format":
+    """The registry record of a codec's format."""
+    return FORMATS[codec.name]
+
+
 def encoded_nbytes(codec: Codec, n: int) -> int:
     """Exact bytes of encode(codec, x) for x of length n."""
-    nb = num_blocks(n, codec.block_size)
-    if codec.name == "none":
-        return 4 * n
-    if codec.name == "bf16":
-        return 2 * n
-    if codec.name in ("fp8_e4m3", "fp8_e5m2"):
-        return n + 4 * nb
-    if codec.name == "e3m0":
-        return (n + 1) // 2 + 4 * nb
-    if codec.name in SPARSE_NAMES:
-        return sparsify.sparse_nbytes(codec.name, n, codec.keep_fraction, codec.block_size)
-    raise ConfigError("codec", f"unknown codec {codec.name!r}; valid: {', '.join(ALL_NAMES)}")
+    return int(fmt(codec).nbytes(codec, n))
 
 
 def bits_per_element(codec: Codec, n: int) -> float:
     return 8.0 * encoded_nbytes(codec, n) / n
 
 
+def stochastic(codec: Codec) -> bool:
+    """Whether encode draws random numbers (then it needs a key, and its chips cannot split it)."""
+    draws = fmt(codec).draws
+    return draws == "always" or (draws == "rounding" and codec.rounding == "stochastic")
+
+
+def split_unit(codec: Codec) -> int:
+    """Elements of one chip's slice must be a multiple of this for its encoding to be the unsplit
+    one's byte for byte; 0: it cannot be split (random draws depend on the whole vector)."""
+    return 0 if stochastic(codec) else int(fmt(codec).unit(codec))
+
+
+def family(name: str) -> str:
+    """The family of a codec name ("fp32", "bf16", "fp8", "fp4", "sparse"); a name not in the registry
+    (a record written by other code) is its own family."""
+    return FORMATS[name].family if name in FORMATS else str(name)
+
+
 def matched_keep_fraction(name: str, target_bytes: int | Codec, n: int, block_size: int = 256) -> float:
     """Keep fraction whose payload is the largest not exceeding target_bytes (or a target codec's bytes).
 
-    make_codec(name, block_size, keep_fraction=matched_keep_fraction(...)) then keeps exactly that count.
-    """
+    make_codec(name, block_size, keep_fraction=matched_keep_fraction(...)) then keeps exactly that count
+    (the registry's byte count, searched over the kept count k of m items: elements, or units)."""
     if name not in SPARSE_NAMES:
         raise ConfigError("codec", f"{name!r} is not a sparsifier; valid: {', '.join(SPARSE_NAMES)}")
     if isinstance(target_bytes, Codec):
         target_bytes = encoded_nbytes(target_bytes, n)
-    k, m = sparsify.matched_count(name, int(target_bytes), n, block_size)
-    if k < 1:
+    m = sparsify.num_units(n, block_size) if name == "dropout" else n
+    size = lambda k: encoded_nbytes(Codec(name, block_size, "nearest", k / m), n)
+    lo, hi = 0, m  # the largest k in 1..m with size(k) <= target (size grows with k)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if size(mid) <= int(target_bytes) else (lo, mid - 1)
+    if lo < 1:
         raise ConfigError("codec_keep_fraction",
                           f"{target_bytes} bytes cannot carry even one kept item of {name!r} (n={n})")
-    return k / m
+    return lo / m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,66 +234,129 @@ def unpack_nibbles(packed: jax.Array, n: int) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# encode / decode
+# the formats' encode / decode: (codec, x_N float32, key or None) -> payload; (codec, payload, n) -> x_N
+
+def _values_encode(codec, x_N, key):
+    return {"values": x_N}
+
+
+def _values_decode(codec, payload, n):
+    return payload["values"].astype(jnp.float32)
+
+
+def _bf16_encode(codec, x_N, key):
+    return {"values": _signed_cast(x_N, "bf16", codec.rounding, key)}
+
+
+def _fp8_encode(codec, x_N, key):
+    bs, fmax = codec.block_size, _FLOATS[codec.name][1]
+    scale_B = jnp.max(jnp.abs(_blocks(x_N, bs)), axis=1) / fmax
+    safe_B = jnp.where(scale_B > 0, scale_B, 1.0)
+    y_N = x_N / _per_element(safe_B, bs, x_N.shape[0])
+    return {"values": _signed_cast(y_N, codec.name, codec.rounding, key), "scales": scale_B}
+
+
+def _fp8_decode(codec, payload, n):
+    return payload["values"].astype(jnp.float32) * _per_element(payload["scales"], codec.block_size, n)
+
+
+def _e3m0_encode(codec, x_N, key):
+    bs = codec.block_size
+    scale_B = jnp.max(jnp.abs(_blocks(x_N, bs)), axis=1)
+    safe_B = jnp.where(scale_B > 0, scale_B, 1.0)
+    r_N = jnp.minimum(jnp.abs(x_N) / _per_element(safe_B, bs, x_N.shape[0]), 1.0)
+    code_N = _e3m0_codes(r_N, codec.rounding, key)
+    sign_N = ((x_N < 0) & (code_N > 0)).astype(jnp.uint8)
+    return {"codes": pack_nibbles(code_N | (sign_N << 3)), "scales": scale_B}
+
+
+def _e3m0_decode(codec, payload, n):
+    nib_N = unpack_nibbles(payload["codes"], n)
+    mag_N = jnp.asarray(E3M0_LEVELS)[nib_N & 0x07]
+    val_N = jnp.where((nib_N >> 3) == 1, -mag_N, mag_N)
+    return val_N * _per_element(payload["scales"].astype(jnp.float32), codec.block_size, n)
+
+
+# -- values each format reproduces exactly (the registry's `exact`, for the invariants test) ----------
+
+def _grid_blocks(levels, codec: Codec, n: int, scale: float = 2.0 ** -5) -> np.ndarray:
+    """n values laid out in blocks, each block holding the largest level first (so the block's scale is
+    `scale`), then signed levels cycling: decode(encode(x)) == x for a format with these levels."""
+    rng = np.random.default_rng(n)
+    levels = np.asarray(levels, np.float64)
+    x = rng.choice(levels, n) * rng.choice([-1.0, 1.0], n)
+    x[::codec.block_size] = levels.max()
+    return (x * scale).astype(np.float32)
+
+
+def _float_grid(dtype) -> np.ndarray:
+    """Every finite non-negative value of a float8 format (from its bit patterns)."""
+    v = np.arange(256, dtype=np.uint8).view(jnp.dtype(dtype)).astype(np.float32)
+    return np.unique(v[np.isfinite(v) & (v >= 0)])
+
+
+def _any_values(codec: Codec, n: int) -> np.ndarray:
+    return np.random.default_rng(n).standard_normal(n).astype(np.float32)
+
+
+def _bf16_values(codec: Codec, n: int) -> np.ndarray:
+    return _any_values(codec, n).astype(jnp.bfloat16).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One outer-gradient format: everything the code asks about it (the registry's record)."""
+    name: str
+    family: str                                  # one of FAMILIES: the label a report gives its runs
+    encode: Callable                             # (codec, x_N f32, key | None) -> payload (dict of arrays)
+    decode: Callable                             # (codec, payload, n) -> f32 (n,)
+    nbytes: Callable[[Codec, int], int]          # (codec, n) -> exact payload bytes
+    unit: Callable[[Codec], int]                 # elements per chip-split unit (0: never split)
+    draws: str                                   # random numbers: "never" | "rounding" (stochastic) | "always"
+    exact: Callable[[Codec, int], np.ndarray]    # (codec, n) -> values decode(encode(x)) returns as they are
+    sum_reduce: bool = False                     # the payload is the values: exchanged as one psum
+    keeps: bool = False                          # takes codec_keep_fraction (sparsifiers)
+
+
+_blocks_of = lambda c: c.block_size  # noqa: E731  (a scale block is the unit)
+_e3m0_exact = lambda c, n: _grid_blocks(E3M0_LEVELS, c, n)  # noqa: E731
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("none", "fp32", _values_encode, _values_decode, lambda c, n: 4 * n, lambda c: 1, "never",
+           _any_values, sum_reduce=True),
+    Format("bf16", "bf16", _bf16_encode, _values_decode, lambda c, n: 2 * n, lambda c: 1, "rounding",
+           _bf16_values),
+    Format("fp8_e4m3", "fp8", _fp8_encode, _fp8_decode, lambda c, n: n + 4 * num_blocks(n, c.block_size),
+           _blocks_of, "rounding", lambda c, n: _grid_blocks(_float_grid(jnp.float8_e4m3fn), c, n)),
+    Format("fp8_e5m2", "fp8", _fp8_encode, _fp8_decode, lambda c, n: n + 4 * num_blocks(n, c.block_size),
+           _blocks_of, "rounding", lambda c, n: _grid_blocks(_float_grid(jnp.float8_e5m2), c, n)),
+    Format("e3m0", "fp4", _e3m0_encode, _e3m0_decode, lambda c, n: (n + 1) // 2 + 4 * num_blocks(n, c.block_size),
+           lambda c: int(np.lcm(c.block_size, 2)), "rounding", _e3m0_exact),  # two nibbles per byte
+    Format("topk", "sparse", lambda c, x, k: sparsify.topk_encode(x, c.keep_fraction),
+           lambda c, p, n: sparsify.topk_decode(p, n), lambda c, n: 8 * sparsify.keep_count(c.keep_fraction, n),
+           lambda c: 0, "never", _any_values, keeps=True),
+    Format("dropout", "sparse", lambda c, x, k: sparsify.dropout_encode(x, c.keep_fraction, c.block_size, k),
+           lambda c, p, n: sparsify.dropout_decode(p, n, c.block_size),
+           lambda c, n: 4 * sparsify.keep_count(c.keep_fraction, sparsify.num_units(n, c.block_size)) * c.block_size + 4,
+           lambda c: 0, "always", _any_values, keeps=True),
+    Format("dare", "sparse", lambda c, x, k: sparsify.dare_encode(x, c.keep_fraction, k),
+           lambda c, p, n: sparsify.dare_decode(p, n), lambda c, n: 4 * sparsify.keep_count(c.keep_fraction, n) + 4,
+           lambda c: 0, "always", _any_values, keeps=True),
+)}
+ALL_NAMES = tuple(FORMATS)
+SPARSE_NAMES = tuple(n for n, f in FORMATS.items() if f.keeps)
+CODEC_NAMES = tuple(n for n in FORMATS if n not in SPARSE_NAMES)  # the dense formats
+
 
 def encode(codec: Codec, x: jax.Array, key: jax.Array | None = None) -> dict[str, jax.Array]:
     """x: 1-D float (n,) -> dict of the arrays that cross the network."""
     if x.ndim != 1:
         raise ConfigError("x", f"encode takes a flat 1-D vector, got shape {x.shape}; ravel the fragment first")
-    x_N = x.astype(jnp.float32)
-    n = x_N.shape[0]
-    name, bs = codec.name, codec.block_size
-    stochastic = codec.rounding == "stochastic"
-    if name == "none":
-        return {"values": x_N}
-    if name == "bf16":
-        key = _need_key(codec, key) if stochastic else None
-        return {"values": _signed_cast(x_N, "bf16", codec.rounding, key)}
-    if name in ("fp8_e4m3", "fp8_e5m2"):
-        key = _need_key(codec, key) if stochastic else None
-        fmax = _FLOATS[name][1]
-        x_BxS = _blocks(x_N, bs)
-        scale_B = jnp.max(jnp.abs(x_BxS), axis=1) / fmax
-        safe_B = jnp.where(scale_B > 0, scale_B, 1.0)
-        y_N = x_N / _per_element(safe_B, bs, n)
-        return {"values": _signed_cast(y_N, name, codec.rounding, key), "scales": scale_B}
-    if name == "e3m0":
-        key = _need_key(codec, key) if stochastic else None
-        x_BxS = _blocks(x_N, bs)
-        scale_B = jnp.max(jnp.abs(x_BxS), axis=1)
-        safe_B = jnp.where(scale_B > 0, scale_B, 1.0)
-        r_N = jnp.minimum(jnp.abs(x_N) / _per_element(safe_B, bs, n), 1.0)
-        code_N = _e3m0_codes(r_N, codec.rounding, key)
-        sign_N = ((x_N < 0) & (code_N > 0)).astype(jnp.uint8)
-        return {"codes": pack_nibbles(code_N | (sign_N << 3)), "scales": scale_B}
-    if name == "topk":
-        return sparsify.topk_encode(x_N, codec.keep_fraction)
-    if name == "dare":
-        return sparsify.dare_encode(x_N, codec.keep_fraction, _need_key(codec, key))
-    if name == "dropout":
-        return sparsify.dropout_encode(x_N, codec.keep_fraction, bs, _need_key(codec, key))
-    raise ConfigError("codec", f"unknown codec {name!r}; valid: {', '.join(ALL_NAMES)}")
+    return fmt(codec).encode(codec, x.astype(jnp.float32), _need_key(codec, key) if stochastic(codec) else None)
 
 
 def decode(codec: Codec, payload: dict[str, jax.Array], n: int) -> jax.Array:
     """payload from encode(codec, x) with len(x) == n -> float32 (n,)."""
-    name, bs = codec.name, codec.block_size
-    if name in ("none", "bf16"):
-        return payload["values"].astype(jnp.float32)
-    if name in ("fp8_e4m3", "fp8_e5m2"):
-        return payload["values"].astype(jnp.float32) * _per_element(payload["scales"], bs, n)
-    if name == "e3m0":
-        nib_N = unpack_nibbles(payload["codes"], n)
-        mag_N = jnp.asarray(E3M0_LEVELS)[nib_N & 0x07]
-        val_N = jnp.where((nib_N >> 3) == 1, -mag_N, mag_N)
-        return val_N * _per_element(payload["scales"].astype(jnp.float32), bs, n)
-    if name == "topk":
-        return sparsify.topk_decode(payload, n)
-    if name == "dare":
-        return sparsify.dare_decode(payload, n)
-    if name == "dropout":
-        return sparsify.dropout_decode(payload, n, bs)
-    raise ConfigError("codec", f"unknown codec {name!r}; valid: {', '.join(ALL_NAMES)}")
+    return fmt(codec).decode(codec, payload, n)
 
 
 def roundtrip(codec: Codec, x: jax.Array, key: jax.Array | None = None) -> jax.Array:

@@ -108,20 +108,35 @@ def from_paper_label(label: str) -> tuple[Variant, int | None]:
 
 
 def classify(cfg: Mapping[str, Any]) -> Variant:
-    """The variant a run config belongs to: its method, whether it overlaps (τ or per-replica τ)
-    and whether it sends FP4 (E3M0); other fields (H, P, α, …) do not change the variant."""
+    """The variant a run config belongs to: its method, whether it overlaps (τ or per-replica τ) and
+    the family of its outer-gradient format (the codec registry, diloco/outer/codecs.py `FORMATS`);
+    other fields (H, P, α, …) do not change the variant. A format family no named variant sends (bf16,
+    fp8, sparse; FP4 for DiLoCo) gives the method's variant with the family in its name and label:
+    `streaming_ovl` + fp8 → `streaming_ovl_fp8` (labels `streaming_ovl_fp8_h30`)."""
+    from diloco.outer.codecs import family  # lazily: the registry imports jax, this module does not
+
+    fam = family(cfg.get("codec") or "none") if cfg["method"] != "dp" else "fp32"
     if cfg["method"] != "streaming":
-        return VARIANTS[cfg["method"]]
-    overlapped = bool(cfg.get("tau") or cfg.get("replica_tau"))
-    fp4 = cfg.get("codec") == "e3m0"
-    return next(v for v in VARIANTS.values() if v.method == "streaming"
-                and bool(v.tau) == overlapped and (v.codec == "e3m0") == fp4)
+        base = VARIANTS[cfg["method"]]
+    else:
+        overlapped = bool(cfg.get("tau") or cfg.get("replica_tau"))
+        named = [v for v in VARIANTS.values() if v.method == "streaming" and bool(v.tau) == overlapped]
+        hit = [v for v in named if family(v.codec) == fam]
+        if hit:
+            return hit[0]
+        base = next(v for v in named if v.codec == "none")
+    if fam == family(base.codec):
+        return base
+    return dataclasses.replace(base, name=f"{base.name}_{fam}", paper_label=f"{base.paper_label}_{fam}",
+                               title=f"{base.title} ({fam} com.)", codec=str(cfg.get("codec")), bits=None,
+                               aliases=())
 
 
-def paper_label(cfg: Mapping[str, Any]) -> str:
-    """The results/paper label of a run config at its actual H: 'data_parallel', 'diloco_h30', …"""
+def paper_label(cfg: Mapping[str, Any], H: int | None = None) -> str:
+    """The results/paper label of a run config: 'data_parallel', 'diloco_h30', 'streaming_ovl_fp8_h30', …
+    at its actual H, or at `H` (a toy twin's setting named by the paper's H)."""
     v = classify(cfg)
-    return f"{v.paper_label}_h{cfg['H']}" if v.takes_h else v.paper_label
+    return f"{v.paper_label}_h{cfg['H'] if H is None else H}" if v.takes_h else v.paper_label
 
 
 def label_of(name: str) -> str:

@@ -7,15 +7,13 @@ Each sends a static number k of float32 values (static shapes, so jit/vmap work)
            (FedDropout drops whole units, not single weights)         -> 4·k_units·unit + 4 bytes
 Random masks draw k indices without replacement, so every element (unit) is kept with probability
 k/n, and the receiver rescales by n/k (= 1/keep): E[decode(encode(x))] = x. Top-K is not rescaled
-(it is deterministic and biased by design).
+(it is deterministic and biased by design). Their registry records (names, byte counts, the kept count
+matched to a byte budget) are in diloco/outer/codecs.py `FORMATS`.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-SPARSE_NAMES = ("topk", "dropout", "dare")
-
 
 def keep_count(keep_fraction: float, m: int) -> int:
     """Static number of kept items out of m: round(keep·m) clipped to [1, m]."""
@@ -24,16 +22,6 @@ def keep_count(keep_fraction: float, m: int) -> int:
 
 def num_units(n: int, unit: int) -> int:
     return -(-n // unit)
-
-
-def sparse_nbytes(name: str, n: int, keep_fraction: float, unit: int) -> int:
-    if name == "topk":
-        return 8 * keep_count(keep_fraction, n)
-    if name == "dare":
-        return 4 * keep_count(keep_fraction, n) + 4
-    if name == "dropout":
-        return 4 * keep_count(keep_fraction, num_units(n, unit)) * unit + 4
-    raise ValueError(f"not a sparsifier: {name!r}; valid: {SPARSE_NAMES}")
 
 
 def _subset(seed_1: jax.Array, m: int, k: int) -> jax.Array:
@@ -94,19 +82,5 @@ def dropout_decode(payload: dict[str, jax.Array], n: int, unit: int) -> jax.Arra
     return out_UxS.reshape(-1)[:n]
 
 
-def matched_count(name: str, target_bytes: int, n: int, unit: int) -> tuple[int, int]:
-    """(k, m): largest kept count k of m items (elements; units for dropout) with bytes <= target."""
-    if name == "topk":
-        k, m = target_bytes // 8, n
-    elif name == "dare":
-        k, m = (target_bytes - 4) // 4, n
-    elif name == "dropout":
-        k, m = (target_bytes - 4) // (4 * unit), num_units(n, unit)
-    else:
-        raise ValueError(f"not a sparsifier: {name!r}; valid: {SPARSE_NAMES}")
-    return max(0, min(m, k)), m
-
-
-__all__ = ["SPARSE_NAMES", "keep_count", "num_units", "sparse_nbytes", "matched_count",
-           "topk_encode", "dare_encode", "dropout_encode", "topk_decode", "dare_decode",
+__all__ = ["keep_count", "num_units", "topk_encode", "dare_encode", "dropout_encode", "topk_decode", "dare_decode",
            "dropout_decode"]

@@ -99,12 +99,9 @@ class OuterSync:
         """Elements of one chip's slice must be a multiple of this for its encoding to be the unsharded
         one's byte for byte (whole codec blocks; two nibbles per byte); 0: the codec cannot be split
         (sparsifiers, stochastic rounding: their draws depend on the whole vector) or nothing to split."""
-        if self.mesh is None or self.mesh.shape["replica"] == 1:
+        if self.mesh is None or self.mesh.shape["replica"] == 1 or self.chips() == 1:
             return 0
-        c = self.codec
-        if self.chips() == 1 or c.name in codecs.SPARSE_NAMES or (c.rounding == "stochastic" and c.name != "none"):
-            return 0
-        return {"none": 1, "bf16": 1, "e3m0": int(np.lcm(c.block_size, 2))}.get(c.name, c.block_size)
+        return codecs.split_unit(self.codec)  # the codec registry's unit (diloco/outer/codecs.py FORMATS)
 
     def padded(self, n: int) -> int:
         """Length at which a fragment of n elements is exchanged: n, or (when the chips of a replica split
@@ -132,7 +129,7 @@ class OuterSync:
 
         def local(delta_rxn, keys_r, w_r, gather):
             n = delta_rxn.shape[1]  # this chip's slice of the fragment (the whole one when unsharded)
-            if codec.name == "none":  # plain fp32: a sum-reduction is the cheapest honest exchange
+            if codecs.fmt(codec).sum_reduce:  # plain fp32: a sum-reduction is the cheapest honest exchange
                 s = gather_sum(delta_rxn * w_r[:, None], w_r, gather)
                 return s
             payload = jax.vmap(lambda x, k: codecs.encode(codec, x, k))(delta_rxn, keys_r)

@@ -82,8 +82,8 @@ def load_runs(root: str | Path) -> pd.DataFrame:
         stem = Path(stem).stem
         for name, val in zip(SPEC_ARGS.get(stem, ()), arg.split(",") if arg else ()):
             row[f"arg_{name}"] = val
-        if "arg_label" in row:  # the paper's name for the setting (toy twins shrink H 3×)
-            row["label"] = methods.label_of(row["arg_label"])
+        if "arg_label" in row:  # the setting's H as the paper names it (toy twins shrink H 3×); the variant
+            row["label"] = methods.paper_label(cfg, methods.split_h(row["arg_label"])[1])  # is what ran
         for k, v in (point.get("point") or {}).items():
             if k != "arg":
                 row[f"ax_{k}"] = v
