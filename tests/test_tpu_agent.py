@@ -493,3 +493,26 @@ def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch):
 def test_the_exit_reason_is_the_line_that_says_why(tmp_path, log, want):
     (tmp_path / "a.log").write_text(log)
     assert A.last_line(tmp_path / "a.log") == want
+
+
+def test_a_maintenance_notice_checkpoints_every_host_now_and_the_attempt_is_not_counted(pod, tmp_path):
+    """slice0-worker1's metadata says TERMINATE_ON_HOST_MAINTENANCE while point a runs: the leader aborts
+    the attempt as a stop (every child SIGTERMed: train saves a checkpoint), the attempt is not counted,
+    and with max_attempts=1 the point still finishes in attempt 2 (the notice is not acted on twice)."""
+    p = pod(["a"], max_attempts=1, args={"a": ["--seconds", "60,1"]})
+    md = tmp_path / "metadata-0-1"
+    md.mkdir()
+    p.start("0-0")
+    p.start("0-1", DILOCO_METADATA_DIR=str(md))
+    logs = [p.base / "a" / "logs" / "attempt-1" / f"{A.label(h)}.log" for h in p.hosts]
+    until(lambda: all(f.exists() and "started" in f.read_text() for f in logs), what="both running", pod=p)
+    (md / "maintenance-event").write_text("TERMINATE_ON_HOST_MAINTENANCE\n")
+    p.wait(timeout=60)
+    a = p.status("a")
+    assert (a["state"], a["attempt"]) == ("finished", 2), a
+    assert a["attempts"]["1"]["result"] == "stopped"
+    assert a["attempts"]["1"]["abort"] == ("maintenance notice on slice0-worker1 (TERMINATE_ON_HOST_MAINTENANCE): "
+                                           "checkpointing now")
+    for h in p.hosts:
+        assert p.runs("a")[f"{h}-1"]["what"] == "SIGTERM: saved a checkpoint"
+    assert "maintenance notice TERMINATE_ON_HOST_MAINTENANCE during a attempt 1" in p.out("0-1")

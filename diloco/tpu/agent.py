@@ -8,6 +8,7 @@ bucket under BASE = plan["base"], each written whole (diloco.rundir), read fresh
                                                  {point, attempt, state, pid, child, note, time}
   BASE/_pod/logs/slice<s>-worker<w>.agent.log    the agent's own log
   BASE/_pod/boot/slice<s>-worker<w>.log          the host's boot log (startup.sh uploads it)
+  BASE/_pod/maintenance/<s>-<w>.json             a host's maintenance notice {event, point, attempt, time}
   BASE/<point>/_state/go-<n>.json                the leader: every host runs attempt n now
   BASE/<point>/_state/attempt-<n>/<s>-<w>.start  a host started its child for attempt n
   BASE/<point>/_state/attempt-<n>/<s>-<w>.json   a host's child was reaped (its chips are free):
@@ -24,6 +25,9 @@ leader continues where the last one was. For the first point not finished or fai
   - writes go-<n> once every host's heartbeat is fresh and idle and every host has written its exit
     for attempt n-1 (so the next attempt, or the next point, starts only on free chips);
   - writes abort when a host's child exits non-zero or a host's heartbeat is older than lost_after_s;
+    and when a host reports a maintenance notice (the VM's metadata `maintenance-event` turned from NONE
+    while its child ran): then every host SIGTERMs its child with the stop grace, so all save a
+    checkpoint together, and the attempt is not counted;
   - when every host has exited: finished (all 0 and the run's summary.json), else the next attempt,
     or failed once max_attempts attempts have failed (an attempt ended by a stop is not counted).
     A lost host's exit is written by its own agent when the repaired VM reruns startup.sh and the
@@ -59,8 +63,9 @@ from typing import Any, Callable
 
 from diloco.errors import ConfigError
 from diloco.rundir import atomic_write_json, atomic_write_text, path, read_json
-from diloco.tpu.decide import LEADER, HostView, PointView, age, boot_tail, decide, host_decide, label, next_status
-from diloco.tpu.host import free_chips, raise_nofile
+from diloco.tpu.decide import (LEADER, MAINTENANCE, HostView, PointView, age, boot_tail, decide, host_decide, label,
+                                next_status)
+from diloco.tpu.host import free_chips, maintenance_event, raise_nofile
 
 ENV_SLICE, ENV_WORKER, ENV_ATTEMPT = "DILOCO_TPU_SLICE", "DILOCO_TPU_WORKER", "DILOCO_TPU_ATTEMPT"
 # plan.json keys this module reads beyond the sweep's own, with their defaults (bundle.py's schema)
@@ -105,6 +110,9 @@ class Layout:
 
     def boot_log(self, host: str):
         return self.base / "_pod" / "boot" / f"{label(host)}.log"
+
+    def maintenance(self, host: str):
+        return self.base / "_pod" / "maintenance" / f"{host}.json"
 
     @property
     def stop(self):
@@ -188,8 +196,13 @@ def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: f
             beats[h] = b
     summary = lead and path(point["workdir"]).joinpath("summary.json").exists()
     boot = {h: boot_tail(read_text(layout.boot_log(h))) for h in all_hosts if lead and h not in beats}
+    notices = {}
+    for f in names(layout.base / "_pod" / "maintenance", "*.json") if lead and go else []:
+        rec = load(layout.base / "_pod" / "maintenance" / f) or {}
+        if (rec.get("point"), rec.get("attempt")) == (name, go):
+            notices[f[:-5]] = str(rec.get("event"))
     return PointView(tuple(all_hosts), go, abort, exits, frozenset(starts), beats, bool(summary),
-                     load(layout.status(name), {}) or {}, stop, now, since, boot)
+                     load(layout.status(name), {}) or {}, stop, now, since, boot, notices)
 
 
 # -- host identity ---------------------------------------------------------------------------------------
@@ -240,7 +253,8 @@ def start_ticks(pid: int) -> str | None:
 
 
 class Agent:
-    def __init__(self, plan: dict, slice_: int, worker: int, work: Path, say=print):
+    def __init__(self, plan: dict, slice_: int, worker: int, work: Path, say=print,
+                 watch: Callable[[], str | None] | None = None):
         self.plan, self.me = plan, f"{slice_}-{worker}"
         self.hosts = hosts(plan)
         if self.me not in self.hosts:
@@ -261,6 +275,8 @@ class Agent:
         self.last_upload = 0.0
         self.signalled: str | None = None
         self.t0 = time.time()
+        self.watch = watch  # the VM's maintenance-event (None: not watched)
+        self.last_event = watch() if watch else None
 
     # -- small I/O helpers
     def say(self, msg: str) -> None:
@@ -405,6 +421,7 @@ class Agent:
         stop = self.L.stop.exists() or self.signalled is not None
         if self.child is not None and self.child.poll() is not None:
             self.reap(now)
+        self.notice(now)
         pt = self.current_point()
         if pt is not None:
             v = read_view(self.L, pt, self.hosts, self.me, now, stop, self.t0)
@@ -420,7 +437,7 @@ class Agent:
             hv = HostView(None, stop=stop, child=self.child_of, killing=self.kill is not None)
         what, why = host_decide(hv, float(self.plan["lost_after_s"]))
         if what == "kill":
-            stopping = why == "stop requested"
+            stopping = why == "stop requested" or why.startswith(f"attempt aborted: {MAINTENANCE}")
             grace = float(self.plan["stop_grace_s" if stopping else "abort_grace_s"])
             self.kill = (why, now + grace, stopping)
             self.signal_child(signal.SIGTERM)
@@ -444,6 +461,18 @@ class Agent:
         if what == "exit" and self.lead and pt is None and self.plan.get("teardown") and not stop:
             self.teardown()
         return what != "exit"
+
+    def notice(self, now: float) -> None:
+        """A new maintenance notice while this host runs a child: tell the leader (it checkpoints every host)."""
+        ev = self.watch() if self.watch else None
+        if ev is None or ev == self.last_event:
+            return
+        self.last_event = ev
+        if ev != "NONE" and self.child_of is not None:
+            atomic_write_json(self.L.maintenance(self.me), {"event": ev, "point": self.child_of[0],
+                                                            "attempt": self.child_of[1], "time": now})
+            self.say(f"maintenance notice {ev} during {self.child_of[0]} attempt {self.child_of[1]}: "
+                     "asking the leader to checkpoint every host now")
 
     def teardown(self) -> None:
         """Every point is finished or failed: delete the queued resource (this VM goes with it), once the
@@ -505,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = load_plan(args.plan)
         s, w = identity()
         work = Path(args.work or Path.home() / ".diloco-agent" / plan["sweep"])
-        agent = Agent(plan, s, w, work, say=lambda line: print(line, flush=True))
+        mdir = os.environ.get("DILOCO_METADATA_DIR")  # the stand-in's metadata server; on a VM its own
+        watch = (lambda: maintenance_event(mdir)) if mdir or os.environ.get(ENV_WORKER) is None else None
+        agent = Agent(plan, s, w, work, say=lambda line: print(line, flush=True), watch=watch)
     except ConfigError as e:
         print(f"diloco agent: bad input: {e}", file=sys.stderr)
         return 2

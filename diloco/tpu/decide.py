@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 LEADER = "0-0"
+MAINTENANCE = "maintenance notice"  # an abort for this reason checkpoints like a stop and is not counted
 
 
 def label(host: str) -> str:
@@ -30,6 +31,7 @@ class PointView:
     now: float = 0.0
     since: float = 0.0                             # when the leader's agent started
     boot: dict[str, list] = dataclasses.field(default_factory=dict)    # host without heartbeat → boot log tail
+    maintenance: dict[str, str] = dataclasses.field(default_factory=dict)  # host → its notice during attempt go
 
 
 def boot_tail(text: str | None, n: int = 3) -> list[str]:
@@ -81,6 +83,9 @@ def decide(v: PointView, max_attempts: int, lost_after_s: float, boot_wait_s: fl
                 return Action("wait", n, f"stop requested; waiting for {', '.join(map(label, missing))} to stop")
             if v.abort is None:
                 why = failures(v) + [gone(h) for h in missing if h in lost]
+                if not why and v.maintenance:  # every host saves now, together, as on a stop
+                    return Action("abort", n, f"{MAINTENANCE} on " + ", ".join(
+                        f"{label(h)} ({e})" for h, e in sorted(v.maintenance.items())) + ": checkpointing now")
                 return Action("abort", n, "; ".join(why)) if why else Action("wait", n, "running")
             return Action("wait", n, f"attempt {n} aborted; waiting for the exit of "
                           + ", ".join(gone(h) if h in lost else label(h) for h in missing))
@@ -106,7 +111,7 @@ def decide(v: PointView, max_attempts: int, lost_after_s: float, boot_wait_s: fl
 
 def ended_reason(v: PointView) -> str:
     if stopped(v):
-        return "stopped"
+        return v.abort if v.abort and v.abort.startswith(MAINTENANCE) else "stopped"
     if v.abort:
         return v.abort
     return "; ".join(failures(v)) or "every host exited 0 but the run wrote no summary.json"

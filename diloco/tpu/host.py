@@ -3,6 +3,7 @@
 raise_nofile  the open-file limit to the hard limit, for the agent and every child it starts (the
               startup-script service's soft limit is 1024; orbax/tensorstore on GCS, gRPC and tf.data
               exhaust it on TPU hosts)
+maintenance_event  the VM's metadata `instance/maintenance-event` (NONE, TERMINATE_ON_HOST_MAINTENANCE, …)
 free_chips    after a child is reaped: end any process still holding a TPU device of this VM, then
               remove libtpu's lock file when no process holds it open, so the next attempt does not fail with "TPU already in use"
 """
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+MAINTENANCE_URL = "http://metadata.google.internal/computeMetadata/v1/instance/maintenance-event"
 TPU_DEVICES = ("/dev/accel*", "/dev/vfio/[0-9]*")  # v4/v5e (accel), v5p/v6e (vfio)
 
 
@@ -83,3 +85,19 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
+
+
+def maintenance_event(folder: str | None = None, timeout: float = 2.0) -> str | None:
+    """The metadata server's maintenance-event (from `folder`/maintenance-event when given: the stand-in's
+    metadata server); None when it cannot be read."""
+    if folder:
+        p = Path(folder) / "maintenance-event"
+        return p.read_text().strip() if p.exists() else "NONE"
+    import urllib.request
+
+    req = urllib.request.Request(MAINTENANCE_URL, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode().strip()
+    except OSError:
+        return None

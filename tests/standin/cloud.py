@@ -360,6 +360,7 @@ class Cloud:
                "DILOCO_NUM_PROCESSES": str(slices * hosts), "DILOCO_PROCESS_ID": str(slice * hosts + worker),
                "DILOCO_CPU_DEVICES": str(cfg["cpu_devices"]), "JAX_PLATFORMS": "cpu", **cfg["emulator_env"]}
         env.pop("EPATH_USE_TF", None)  # a VM has no such setting: what the launcher starts must set it itself
+        env["DILOCO_METADATA_DIR"] = str(h.dir / "metadata-server")  # what the agent reads of the metadata server
         if r["multislice"]:
             env.update(MEGASCALE_NUM_SLICES=str(slices), MEGASCALE_SLICE_ID=str(slice),
                        MEGASCALE_COORDINATOR_ADDRESS="127.1.0.1:8080")
@@ -423,6 +424,12 @@ class Cloud:
         """Multislice autorepair: every host of the slice is recreated from the metadata, with fresh disks."""
         for h in [h for h in self.hosts(name) if h.slice == slice]:
             self.repair_host(name, h.slice, h.worker, fresh=True)
+
+    def maintenance(self, name: str, slice: int, worker: int, event: str = "TERMINATE_ON_HOST_MAINTENANCE") -> None:
+        """A maintenance notice on the host's metadata server (`instance/maintenance-event`; NONE clears it)."""
+        d = self.host(name, slice, worker).dir / "metadata-server"
+        d.mkdir(exist_ok=True)
+        (d / "maintenance-event").write_text(event + "\n")
 
     def identity(self, host: str | None) -> str:
         """Who a gcloud call runs as: the laptop's user, or the VM's service account (its resource's)."""
