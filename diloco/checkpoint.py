@@ -2,6 +2,11 @@
 counters, the code that wrote it and a checksum of every array. The directory may be local or
 `gs://…` (an epath).
 
+The state (trainer.TrainState) is every replica's parameters and AdamW state, the step, and the outer
+state (outer/sync.OuterState): θᵍ, one Nesterov state per fragment, and per fragment the averaged Δ of
+its last send, which a fragment sent less than τ steps ago has not applied yet. Every exchange in flight
+is landed before a save, so no bytes on the wire are ever part of a checkpoint.
+
 A checkpoint that cannot be restored is one of three things, and only the first is ever moved:
   corrupt     checksum mismatch, truncated / missing / unparsable files → skipped, ckpt_corrupt/
   mismatch    written for another state (a leaf added, removed, reshaped or retyped) → CheckpointMismatch
