@@ -189,6 +189,17 @@ def test_after_a_reap_what_holds_a_chip_is_killed_and_a_stale_libtpu_lock_remove
             p.wait()
 
 
+def test_every_process_the_launcher_starts_uses_the_gcsfs_backend_of_epath(tmp_path, monkeypatch):
+    """EPATH_USE_TF=false in the scripts and in every training process's environment (etils would otherwise
+    use tf.io.gfile whenever TensorFlow is importable: a client no launch test runs)."""
+    monkeypatch.delenv("EPATH_USE_TF", raising=False)
+    plan = {"base": str(tmp_path / "ns"), "sweep": "s", "slices": 1, "hosts_per_slice": 1, "points": [], **A.TIMING,
+            "max_attempts": 1, "teardown": False, "env": {}, "boot_wait_s": 1800}
+    assert A.Agent(plan, 0, 0, tmp_path / "w").child_env(1)["EPATH_USE_TF"] == "false"
+    for name in ("launch_tpu.sh.in", "startup.sh.in", "bootstrap.sh.in"):
+        assert "export EPATH_USE_TF=false" in (Path(bundle.__file__).parent / name).read_text(), name
+
+
 # -- #4: the leader's bounded wait for a host that never starts ------------------------------------
 def test_a_host_that_never_starts_fails_the_point_after_the_boot_wait_with_its_boot_log():
     hosts = ("0-0", "0-1")
@@ -285,13 +296,13 @@ def test_reboot_repair_and_failing_downloads_always_converge_on_the_current_bund
     meta = standin.describe("pod-1")["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
     assert meta == (out / "bootstrap.sh").read_text()
     tree_a = next(out.glob("tree-*.tar.gz")).name.removesuffix(".tar.gz")
-    seen = standin.wait_for(lambda: _seen(standin), 60, "the agent started at boot")
+    seen = standin.wait_for(lambda: _seen(standin), 180, "the agent started at boot")
     assert seen["cwd"].endswith(f"/diloco/{tree_a}") and seen["EPATH_USE_TF"] == "false"
     soft, hard = seen["nofile"].split()
     assert soft == hard, seen
     boot_log = lambda: gcs.read(f"{ns}/_pod/boot/slice0-worker0.log").decode() if gcs.exists(  # noqa: E731
         f"{ns}/_pod/boot/slice0-worker0.log") else ""
-    standin.wait_for(lambda: "agent started" in boot_log(), 30, "the boot log in the bucket")
+    standin.wait_for(lambda: "agent started" in boot_log(), 120, "the boot log in the bucket")
 
     tree_b = _rebundle(out, tmp_path)
     r = _up(out / "launch_tpu.sh")
@@ -301,20 +312,20 @@ def test_reboot_repair_and_failing_downloads_always_converge_on_the_current_bund
     standin.fail("storage", "cp", "tree-", times=2, host="pod-1/slice0-worker0")
     (standin.host("pod-1", 0, 0).home / "seen.txt").unlink()
     standin.reboot_host("pod-1", 0, 0)
-    seen = standin.wait_for(lambda: _seen(standin), 60, "the agent after the reboot")
+    seen = standin.wait_for(lambda: _seen(standin), 180, "the agent after the reboot")
     home = standin.host("pod-1", 0, 0).home
     assert seen["cwd"].endswith(f"/diloco/{tree_b}") and not (home / "diloco" / tree_a).exists()
-    log = standin.wait_for(lambda: boot_log().count("agent started") and boot_log(), 30, "the boot log")
+    log = standin.wait_for(lambda: boot_log().count("agent started") and boot_log(), 120, "the boot log")
     assert "try 1 of 3 failed: gcloud storage cp" in log and "try 2 of 3 failed" in log and "agent started" in log
 
     standin.repair_host("pod-1", 0, 0, fresh=True)  # the slice recreated: a new disk, the same metadata
-    seen = standin.wait_for(lambda: _seen(standin), 60, "the agent after the repair")
+    seen = standin.wait_for(lambda: _seen(standin), 180, "the agent after the repair")
     assert seen["cwd"].endswith(f"/diloco/{tree_b}")
 
     # a download that never succeeds: the boot fails, says why in the bucket, and status shows it
     standin.fail("storage", "cp", "tree-", times=99, host="pod-1/slice0-worker0")
     standin.repair_host("pod-1", 0, 0, fresh=True)
-    standin.wait_for(lambda: "boot failed" in boot_log(), 60, "the failed boot's log in the bucket")
+    standin.wait_for(lambda: "boot failed" in boot_log(), 180, "the failed boot's log in the bucket")
     assert not _seen(standin)
     A.fresh_reads()
     text = S.render(S.collect(ns))
@@ -414,6 +425,6 @@ def test_a_vm_account_without_bucket_roles_is_refused_before_create_and_would_ne
     standin.create("pod-1", zone="us-east5-a", accelerator_type="v5litepod-4", runtime_version="v",
                    node_id="pod-1", metadata_files={"startup-script": str(out / "bootstrap.sh")})
     log = standin.host("pod-1", 0, 0).home / "diloco" / "boot.log"
-    standin.wait_for(lambda: log.exists() and "boot failed" in log.read_text(), 60, "the refused boot")
+    standin.wait_for(lambda: log.exists() and "boot failed" in log.read_text(), 180, "the refused boot")
     assert "could not fetch" in log.read_text()
     assert "403" in (standin.host("pod-1", 0, 0).home / "startup.log").read_text()

@@ -654,6 +654,7 @@ def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(s
     assert "--root: gs://no-such-bucket-here/runs: cannot write a probe object" in refused()
     argv[argv.index("--root") + 1] = gcs.url("runs")
     assert sw.main(argv) == 0, capsys.readouterr().err
+    assert f"point default reads the TFDS dataset in {gcs.url('tfds/c4/en/3.1.0')}" in capsys.readouterr().out
     assert list(gcs.objects()) == ["tfds/c4/en/3.1.0/dataset_info.json"] and not _gcloud_calls(standin)
     plan = json.loads((out / "plan.json").read_text())
     staged = plan["points"][0]["argv"][-1].removeprefix("--config.vocab=sentencepiece:")
