@@ -522,3 +522,20 @@ def test_readme_result_quotes_the_committed_claims():
     head = tiny.set_index("claim").loc[HEADLINE]
     assert (round(head.ours_gap_pct, 2), round(head.ours_ci_pct, 2)) in quoted
     assert f"is {head.verdict}" in result.replace("\n", " ")
+
+
+def test_every_claim_definition_is_well_formed():
+    """CLAIMS, the claims as data: unique claim texts, a known kind and sweep family, rows compared in the
+    kind's shape, a band lo < hi, and a paper number each (texts made from the paper's CSVs resolve)."""
+    from diloco.report.claims import BY_CLAIM, CLAIMS, FAMILIES, KINDS, PaperNumbers
+
+    assert len(BY_CLAIM) == len(CLAIMS) >= 17
+    p = PaperNumbers()
+    for d in CLAIMS:
+        assert d.kind in KINDS and d.band[0] < d.band[1], d
+        assert d.sweep in FAMILIES or (d.kind == "trend" and d.sweep in ("c4_scaling", "claims_headline")), d
+        shape = {"gap": 2, "bytes_total": 2, "bytes_peak": 2, "gap_change": 2, "trend": 0}[d.kind]
+        assert len(d.compare) == shape, d
+        if d.kind == "gap_change":
+            assert all(len(pair) == 2 for pair in d.compare), d
+        assert (d.paper(p) if callable(d.paper) else d.paper), d

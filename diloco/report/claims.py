@@ -93,6 +93,7 @@ class Claim:
 
 
 INF = np.inf
+KINDS = {"gap", "gap_change", "bytes_total", "bytes_peak", "trend"}
 HL, FP4 = "claims_headline", "streaming_ovl_fp4_h30"
 CLAIMS: tuple[Claim, ...] = (
     Claim(HEADLINE, "Table 5", HL, (FP4, "dp"), (-1.0, 1.0), lambda p: p.range_to_dp(FP4), "band: within 1 % of DP"),
@@ -247,8 +248,8 @@ def evaluate(d: Claim, s: SweepRows, p: PaperNumbers) -> dict | None:
         (a, b), (c, e) = d.compare
         mean, sd, n = paired_stats(_seed_gaps(s.losses(a), s.losses(b)), _seed_gaps(s.losses(c), s.losses(e)),
                                    pct=False)
-    else:
-        raise ValueError(f"claim {d.claim!r}: kind {d.kind!r} is evaluated by trend_row, not per sweep")
+    else:  # "trend" rows are made by trend_row from two scales, not from one sweep
+        raise ValueError(f"claim {d.claim!r}: kind {d.kind!r} is not one of {sorted(KINDS - {'trend'})}")
     if mean is None or not np.isfinite(mean):  # a comparison whose runs are absent: no row
         return None
     return claim_row(d.claim + s.at, d.source, s.runs, mean, sd, n, d.band, paper_txt, d.note)
