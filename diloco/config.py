@@ -218,6 +218,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
             raise ConfigError("exchange", "in_step runs a send's exchange inside the next inner step, so it needs "
                               f"tau ≥ 1 (got tau={sched.tau_min}); use exchange=blocking or exchange=auto")
         codec_from_config(cfg)
+    _validate_eager(cfg)
     mesh_rules(cfg)
     n_dev = num_devices
     if n_dev is not None:
@@ -234,6 +235,26 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
 
         validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len)
         validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len, split="validation")  # eval loss
+
+
+def _validate_eager(cfg) -> None:
+    """eager / eager_rounds / error_feedback ([EU] eager updates, error feedback: docs/architecture.md)."""
+    from diloco.outer import eager
+
+    eager.check(cfg.eager, cfg.eager_rounds)
+    if not isinstance(cfg.error_feedback, bool):
+        raise ConfigError("error_feedback", f"{cfg.error_feedback!r} must be true or false")
+    on = [f for f in ("eager", "error_feedback") if cfg[f] not in ("off", False)]
+    if not on:
+        return
+    if cfg.method == "dp":
+        raise ConfigError(on[0], "applies to the outer exchange of method=diloco or streaming, not dp")
+    if cfg.exchange == "in_step":
+        raise ConfigError("exchange", f"{on[0]} runs each exchange in its own program after the step: use "
+                          "exchange=blocking or exchange=auto")
+    if cfg.eager != "off" and (cfg.tau or cfg.replica_tau):
+        raise ConfigError("tau", f"eager={cfg.eager} applies a round's average eager_rounds·H steps later by "
+                          "construction; set --config.tau=0 (and no replica_tau)")
 
 
 def _validate_downstream(cfg, check_data: bool) -> None:

@@ -31,6 +31,7 @@ from diloco.model import ModelConfig, Transformer, loss_fn, param_logical_axes
 from diloco.model.scales import TOY_SCALES, formula_params
 from diloco.model.transformer import SPLASH_BLOCK
 from diloco.outer.codecs import codec_from_config
+from diloco.outer import eager_driver, eager_sync
 from diloco.outer.driver import OuterDriver
 from diloco.outer.fragments import make_fragments
 from diloco.outer.schedule import make_schedule
@@ -136,10 +137,15 @@ class Trainer:
             sync = OuterSync(frags, codec_from_config(cfg),
                              outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
-            self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
-                                      self.R, cfg.seed, self._overlap(sync, comm_devices, timeline), self.constrain,
-                                      in_step=cfg.exchange == "in_step" or (
-                                          cfg.exchange == "auto" and devices[0].platform in ("tpu", "gpu")))
+            if eager_driver.wanted(cfg):  # eager updates / error feedback: their own sends (blocking)
+                self.driver = eager_driver.EagerDriver(
+                    sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau), self.R, cfg.seed,
+                    cfg.eager, self.constrain)
+            else:
+                self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
+                                          self.R, cfg.seed, self._overlap(sync, comm_devices, timeline), self.constrain,
+                                          in_step=cfg.exchange == "in_step" or (
+                                              cfg.exchange == "auto" and devices[0].platform in ("tpu", "gpu")))
         self._jit: dict[Any, Any] = {}
 
     def _overlap(self, sync, comm_devices, timeline):
@@ -175,7 +181,15 @@ class Trainer:
         params = self.init_params()
         params_R = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (self.R,) + x.shape), params)
         return TrainState(params=params_R, opt=jax.vmap(self.tx.init)(params_R), step=jnp.zeros((), jnp.int32),
-                          outer=self.sync.init(params) if self.sync is not None else None)
+                          outer=self.init_outer(params) if self.sync is not None else None)
+
+    def init_outer(self, params):
+        """θᵍ and its optimizer state; the eager / error-feedback buffers when on (else `extra` None)."""
+        outer = self.sync.init(params)
+        if eager_driver.wanted(self.cfg):
+            outer = outer.replace(extra=eager_sync.init(self.sync, params, self.R, self.cfg.eager,
+                                                         self.cfg.eager_rounds, self.cfg.error_feedback))
+        return outer
 
     # -- layout by logical axis names (mesh.rules) -------------------------------------------------
     @property
@@ -261,7 +275,8 @@ class Trainer:
             flat = lambda tree: jax.tree_util.tree_map(lambda x: self.flat_sharding(x.shape), tree)
             outer = state.outer.replace(
                 params=self.outer_param_shardings(state.outer.params),
-                opt=flat(state.outer.opt), pending=flat(state.outer.pending))
+                opt=flat(state.outer.opt), pending=flat(state.outer.pending),
+                extra=eager_sync.shardings(state.outer.extra, self.mesh))
         return TrainState(params=rep(state.params), opt=rep(state.opt), step=self.repl_sharding, outer=outer)
 
     def constrain(self, state: TrainState) -> TrainState:
@@ -282,7 +297,7 @@ class Trainer:
     def eval_params(self, state: TrainState):
         """θᵍ for the DiLoCo family, the (only) replica for DP."""
         if state.outer is not None:
-            return state.outer.params
+            return eager_sync.consensus(self.sync, state.outer)  # θᵍ; the replicas' mean if theirs differ
         return jax.tree_util.tree_map(lambda x: x[0], state.params)
 
     def drained(self, state: TrainState, t: int, check=None) -> tuple[TrainState, TrainState, list[int]]:

@@ -43,6 +43,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.codec_keep_fraction = 1.0    # for topk / dropout / dare
     c.dp_grad_dtype = "bfloat16"   # what DP is counted as sending each step
     c.freeze_non_syncing = False   # FedPart-style baseline: only the fragment next to sync trains
+    # [EU] eager updates: off | naive | swap | mix; the exchange of a fragment's round is applied
+    # eager_rounds rounds later (needs tau = 0: the delay is eager_rounds·H; docs/architecture.md)
+    c.eager = "off"
+    c.eager_rounds = 1
+    c.error_feedback = False       # each replica re-sends what its codec dropped (a residual per fragment)
 
     c.outer = ml_collections.ConfigDict(dict(lr=0.4, momentum=0.9, nesterov=True))
     c.optimizer = ml_collections.ConfigDict(dict(

@@ -60,6 +60,11 @@ def applied(mode: str, fresh_Rxn, delayed_avg_n, delayed_own_Rxn):
     raise ConfigError("eager", f"{mode!r}: applied() takes naive, swap or mix")
 
 
+def eval_params_label(mode: str) -> str:
+    """What a run evaluates (summary.json `eval_params`)."""
+    return "mean of the replicas' outer parameters" if per_replica(mode) else "outer parameters"
+
+
 def consensus(outer_Rxn):
     """The evaluated θᵍ when replicas' outer parameters differ: their mean over the replica axis."""
     return outer_Rxn.mean(axis=0)

@@ -24,6 +24,11 @@ from diloco.outer import eager_sync
 from diloco.outer.driver import Check, OuterDriver, replica_finite
 
 
+def wanted(cfg) -> bool:
+    """Whether a run's config turns on eager updates or error feedback (then EagerDriver drives it)."""
+    return cfg.get("eager", "off") != "off" or bool(cfg.get("error_feedback", False))
+
+
 class EagerDriver(OuterDriver):
     def __init__(self, sync, schedule, R: int, seed: int, mode: str = "off",
                  constrain: Callable[[Any], Any] | None = None):

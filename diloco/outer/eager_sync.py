@@ -129,3 +129,19 @@ def consensus(sync, outer) -> Any:
     for p in range(sync.frags.P):
         params = sync.frags.unflatten(params, p, eager.consensus(ex.outer[p]))
     return params
+
+
+def shardings(ex: Extra | None, mesh):
+    """Layouts of the buffers: arrays with a replica axis (residual, outer, opt: axis 0; own: axis 1) on
+    the `replica` mesh axis, so a replica's buffers stay on its devices (nothing crosses `replica`);
+    the averages (the same on every replica) whole everywhere."""
+    if ex is None:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rep, whole = NamedSharding(mesh, P("replica")), NamedSharding(mesh, P())
+    own = NamedSharding(mesh, P(None, "replica"))
+    per = lambda tree: None if tree is None else jax.tree_util.tree_map(lambda x: rep if x.ndim else whole, tree)
+    return ex.replace(residual=per(ex.residual), outer=per(ex.outer), opt=per(ex.opt),
+                      avg=None if ex.avg is None else tuple(whole for _ in ex.avg),
+                      own=None if ex.own is None else tuple(own for _ in ex.own))

@@ -1,0 +1,103 @@
+"""Eager updates and error feedback in `diloco train`: same numbers when off, resume, bytes, evaluation θ."""
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from diloco.config import load_config, validate
+from diloco.errors import ConfigError
+from diloco.train import train
+from diloco.trainer import Trainer
+
+STREAM = dict(H=4, layers_per_fragment=1, tau=0, codec="e3m0", steps=9, checkpoint_every=3, eval_every=9)
+
+
+def test_lossless_error_feedback_is_the_plain_run_bit_for_bit(tmp_path):
+    """codec=none: the residual stays 0 and the run's numbers are error_feedback=false's (DiLoCo, H = 2)."""
+    kw = dict(H=2, steps=4, checkpoint_every=4, eval_every=4)
+    plain = train(tiny_config("diloco", **kw), tmp_path / "plain", progress=False)
+    ef = train(tiny_config("diloco", error_feedback=True, **kw), tmp_path / "ef", progress=False)
+    assert ef["params_sha256"] == plain["params_sha256"]
+    assert ef["bytes_exchanged_total"] == plain["bytes_exchanged_total"]
+
+
+def _kill_after_checkpoint(cfg, tmp_path):
+    """The run to the end, and the same run 'killed' after its step-6 checkpoint (its newest checkpoint and
+    summary removed, as SIGKILL after step 8 leaves them), then rerun: (whole summary, resumed summary)."""
+    whole = train(cfg, tmp_path / "whole", progress=False)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    ckpt = cut / "ckpt"
+    for p in ckpt.iterdir():
+        if p.name.startswith("9"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (cut / "summary.json").unlink()
+    return whole, train(cfg, cut, progress=False)
+
+
+@pytest.mark.parametrize("mode", ["swap", "naive"])
+def test_eager_with_error_feedback_resumes_bit_identically(tmp_path, mode):
+    """Streaming, P = 3, E3M0 with error feedback (a non-zero residual at the checkpoint), eager: the rerun
+    from the step-6 checkpoint ends with the uninterrupted run's parameters; bytes are E3M0's, unchanged
+    by error feedback and by eager (the same sends)."""
+    cfg = tiny_config("streaming", eager=mode, error_feedback=True, **STREAM)
+    tr = Trainer(cfg)
+    whole, resumed = _kill_after_checkpoint(cfg, tmp_path)
+    assert "resumed" not in json.dumps(whole) and resumed["params_sha256"] == whole["params_sha256"]
+    plain = train(tiny_config("streaming", **STREAM), tmp_path / "plain", progress=False)
+    assert whole["bytes_exchanged_total"] == plain["bytes_exchanged_total"] > 0
+    assert whole["params_sha256"] != plain["params_sha256"]
+    assert whole["eval_params"] == ("mean of the replicas' outer parameters" if mode == "swap" else "outer parameters")
+    from diloco.checkpoint import Checkpointer  # noqa: F401  (the residual is in the saved state)
+
+    st = tr.fresh_state()
+    assert st.outer.extra is not None and len(st.outer.extra.residual) == tr.sync.frags.P
+
+
+def test_eager_swap_evaluates_the_mean_of_the_replicas_outer_params(tmp_path):
+    """After a swap round the replicas' θᵍ_m differ; eval_params is their mean, fragment by fragment."""
+    cfg = tiny_config("diloco", eager="swap", H=2, steps=4)
+    tr = Trainer(cfg)
+    state = tr.fresh_state()
+    inner = tr.inner_step()
+    rng = np.random.default_rng(0)
+    for t in range(1, 5):
+        b = rng.integers(2, 200, size=(tr.R, 2, 32), dtype=np.int32)
+        state, _, _ = inner(state, jax.numpy.asarray(b))
+        state, _ = tr.driver.after_step(state, t)
+    outer_R = np.asarray(state.outer.extra.outer[0])
+    assert not np.array_equal(outer_R[0], outer_R[1])
+    got = np.asarray(tr.sync.frags.flatten(tr.eval_params(state), 0))
+    np.testing.assert_allclose(got, outer_R.mean(0), rtol=0, atol=1e-7)
+    _, drained, frags = tr.drained(state, 4)
+    assert frags == [] and np.array_equal(np.asarray(tr.sync.frags.flatten(tr.eval_params(drained), 0)), got)
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"eager": "eagre"}, "eager"), ({"eager": "swap", "eager_rounds": 0}, "eager_rounds"),
+    ({"eager_rounds": 2}, "eager_rounds"), ({"eager": "swap", "tau": 1}, "tau"),
+    ({"eager": "mix", "exchange": "in_step", "tau": 0}, "exchange"),
+])
+def test_bad_eager_settings_name_the_field(over, field):
+    base = {"method": "streaming", "tau": 0} if "tau" not in over else {"method": "streaming"}
+    with pytest.raises(ConfigError) as e:  # load_config validates
+        load_config("experiments/toy.py:streaming", [f"--config.{k}={v}" for k, v in {**base, **over}.items()])
+    assert e.value.field == field
+
+
+def test_dp_refuses_eager():
+    with pytest.raises(ConfigError, match="error_feedback"):
+        load_config("experiments/toy.py:dp", ["--config.error_feedback=true"])
+
+
+def test_eager_sweep_points_validate():
+    from diloco.sweep import load_sweep
+
+    for group in ("table2", "table3"):
+        s = load_sweep(f"sweeps/eager.py:{group},tiny")
+        assert len(s["points"]) == (8 if group == "table2" else 6) * 3  # × 3 seeds
+        for p in s["points"]:
+            validate(load_config(p["spec"], p["overrides"]), check_data=False)
