@@ -127,9 +127,10 @@ def test_split_units_and_families_by_hand():
     """The registry's rows as docs/codecs.md states them."""
     got = {n: (C.FORMATS[n].family, C.split_unit(C.make_codec(n, block_size=6, keep_fraction=0.5
                                                                if C.FORMATS[n].keeps else None)))
-           for n in ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "e3m0", "topk", "dare", "dropout")}
+           for n in ("none", "bf16", "fp8_e4m3", "fp8_e5m2", "e3m0", "int2", "topk", "dare", "dropout")}
     assert got == {"none": ("fp32", 1), "bf16": ("bf16", 1), "fp8_e4m3": ("fp8", 6), "fp8_e5m2": ("fp8", 6),
-                   "e3m0": ("fp4", 6), "topk": ("sparse", 0), "dare": ("sparse", 0), "dropout": ("sparse", 0)}
+                   "e3m0": ("fp4", 6), "int2": ("int2", 12), "topk": ("sparse", 0), "dare": ("sparse", 0),
+                   "dropout": ("sparse", 0)}
     assert C.split_unit(C.make_codec("e3m0", block_size=7)) == 14  # whole blocks and whole bytes
     assert C.split_unit(C.make_codec("e3m0", rounding="stochastic")) == 0  # draws depend on the whole vector
     assert C.split_unit(C.make_codec("none", rounding="stochastic")) == 1  # fp32 draws nothing
@@ -205,6 +206,8 @@ BOUNDS = {  # (name, rounding): (rel, abs_ in units of s)
     ("fp8_e4m3", "nearest"): (2.0 ** -4, 2.0 ** -10), ("fp8_e4m3", "stochastic"): (2.0 ** -3, 2.0 ** -9),
     ("fp8_e5m2", "nearest"): (2.0 ** -3, 2.0 ** -17), ("fp8_e5m2", "stochastic"): (2.0 ** -2, 2.0 ** -16),
     ("e3m0", "nearest"): (1.0 / 3.0, 2.0 ** -7), ("e3m0", "stochastic"): (1.0, 2.0 ** -6),
+    # int2: levels ±s/3, ±s are 2s/3 apart and zero is none of them: half a spacing (nearest), a spacing
+    ("int2", "nearest"): (0.0, 1.0 / 3.0), ("int2", "stochastic"): (0.0, 2.0 / 3.0),
 }
 # Relative RMS error ceilings (measured, N(0,1) and t3, block 256: bf16 1.7e-3/2.4e-3,
 # e4m3 2.6e-2/3.7e-2, e5m2 5.2e-2/7.4e-2, e3m0 0.19/0.28 nearest/stochastic); ceilings are ~1.3x the
@@ -215,6 +218,9 @@ RMS_CEIL = {
     ("fp8_e4m3", "nearest"): 0.035, ("fp8_e4m3", "stochastic"): 0.05,
     ("fp8_e5m2", "nearest"): 0.07, ("fp8_e5m2", "stochastic"): 0.10,
     ("e3m0", "nearest"): 0.25, ("e3m0", "stochastic"): 0.36,
+    # int2 (measured 0.60/0.84 on N(0,1), 2.04/2.36 on t3: with no zero level the small elements of a
+    # heavy-tailed block all decode to ±absmax/3, worse than sending zeros; error feedback carries it)
+    ("int2", "nearest"): 2.7, ("int2", "stochastic"): 3.1,
 }
 
 
@@ -223,7 +229,7 @@ def _scale_stat(name, x, block):
         return np.ones_like(x)
     nb = -(-len(x) // block)
     xb = np.pad(np.abs(x), (0, nb * block - len(x))).reshape(nb, block).max(1)
-    fmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "e3m0": 1.0}[name]
+    fmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "e3m0": 1.0, "int2": 1.0}[name]
     return np.repeat(xb / fmax, block)[: len(x)]
 
 

@@ -42,10 +42,10 @@ import numpy as np
 from typing import Callable
 
 from diloco.errors import ConfigError
-from diloco.outer import sparsify
+from diloco.outer import lowbit, sparsify
 
 ROUNDINGS = ("nearest", "stochastic")
-FAMILIES = ("fp32", "bf16", "fp8", "fp4", "sparse")  # what a report's label says a run sent (methods.classify)
+FAMILIES = ("fp32", "bf16", "fp8", "fp4", "int2", "sparse")  # what a report's label says a run sent (methods.classify)
 
 # E3M0 magnitude of exponent code e (times the block scale): 0, 2^-6, ..., 2^0.
 E3M0_LEVELS = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], np.float32)  # (8,)
@@ -331,6 +331,10 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            _blocks_of, "rounding", lambda c, n: _grid_blocks(_float_grid(jnp.float8_e5m2), c, n)),
     Format("e3m0", "fp4", _e3m0_encode, _e3m0_decode, lambda c, n: (n + 1) // 2 + 4 * num_blocks(n, c.block_size),
            lambda c: int(np.lcm(c.block_size, 2)), "rounding", _e3m0_exact),  # two nibbles per byte
+    Format("int2", "int2", lambda c, x, k: lowbit.encode(x, c.block_size, c.rounding, k),  # 2-bit, lowbit.py
+           lambda c, p, n: lowbit.decode(p, n, c.block_size), lambda c, n: lowbit.nbytes(n, c.block_size),
+           lambda c: int(np.lcm(c.block_size, 4)), "rounding",  # four codes per byte
+           lambda c, n: _grid_blocks(np.abs(lowbit.LEVELS[2:]), c, n)),
     Format("topk", "sparse", lambda c, x, k: sparsify.topk_encode(x, c.keep_fraction),
            lambda c, p, n: sparsify.topk_decode(p, n), lambda c, n: 8 * sparsify.keep_count(c.keep_fraction, n),
            lambda c: 0, "never", _any_values, keeps=True),
