@@ -24,6 +24,12 @@ PAPER_SAYS = {
                 "fixed local batch: fewer steps).",
     "H": "Fig. 13: at a fixed number of steps Streaming DiLoCo behaves like DiLoCo as H grows, and is more robust at low H.",
     "fedpart": "§3.3: FedPart-style freezing 3.2145 vs 2.6749 without (+20.2%), 500M, 15 of 18 blocks frozen.",
+    # [EU] (arXiv 2502.12996; results/paper/ablations.csv, overlap_type rows)
+    "eager_table2": "[EU] Table 2 (500M, H = 30, DiLoCo, eval loss): no overlap 2.67; 1 inner step 2.67; 1 outer step "
+                    "delayed (naive) 3.01 (+12.7%); delayed at a lower outer lr 2.73 (+2.2%); eager 2.69 (+0.7%); "
+                    "2 outer steps eager 2.73 (+2.2%). Rows here: none, inner, naive, naive_lowlr, swap, mix, swap2, mix2.",
+    "eager_table3": "[EU] Table 3 (eval loss): no overlap DiLoCo 2.68, Streaming 2.67; 1-outer-step eager DiLoCo 2.69 "
+                    "(+0.4%), Streaming 2.71 (+1.5%): eager costs more on Streaming.",
 }
 # The columns ablation_table computes; the others are the sweep's axes (a row's key).
 ABLATION_RESULT_COLS = ("scale", "status", "n", "eval_loss", "eval_loss_std", "vs_first_pct", "vs_first_pct_unc",
