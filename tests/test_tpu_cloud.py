@@ -404,6 +404,19 @@ def test_the_buckets_location_is_printed_beside_the_zone_and_a_region_apart_is_w
     assert "is in EU" in note and "not in the pod's region us-east5" in warn and "egress" in warn
 
 
+def test_a_transient_describe_error_is_retried_not_taken_for_an_absent_resource(standin, gcs, tmp_path):
+    """`up` asks the state again after an API error (not NOT_FOUND): one create, no ALREADY_EXISTS."""
+    out = tmp_path / "b"
+    assert sw.main([str(_sweep(tmp_path)), "--root", gcs.url("r"), *TPU, "--accelerator", "v5litepod-4",
+                    "--check-fit", "off", "--out", str(out), "--dry-run"]) == 0
+    standin.configure(waiting_s=0.5)
+    standin.fail("queued-resources", "describe", "value(state.state)", times=2)
+    r = _up(out / "launch_tpu.sh")
+    assert r.returncode == 0 and "pod-1 is ACTIVE" in r.stdout, r.stderr
+    assert [c["argv"][3] for c in standin.invocations() if c["argv"][:3] == ["compute", "tpus", "queued-resources"]
+            ].count("create") == 1
+
+
 def test_a_vm_account_without_bucket_roles_is_refused_before_create_and_would_never_boot(standin, gcs, tmp_path):
     """The stand-in's bucket refuses the VMs' calls by identity from the project's IAM policy. With the
     default compute account stripped of its roles, `up` refuses before anything is uploaded or created,

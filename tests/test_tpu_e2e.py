@@ -148,7 +148,7 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
     assert re.search(r"slice1-worker1\s+lost\? running", r.stdout) and f"{p2}  waiting" in r.stdout
     time.sleep(5)
     assert not gcs.exists(f"{st1}/_state/go-{k + 1}.json")  # no attempt without the lost host
-    standin.repair_host(QR, 1, 1)  # it boots again; the startup script restarts its agent, which rejoins
+    standin.repair_host(QR, 1, 1, fresh=True)  # recreated with a fresh disk: it boots the bundle again, rejoins
     t_repair = time.time()
 
     # the next attempt resumes from the checkpoint; stop it once it has trained past it

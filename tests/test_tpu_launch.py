@@ -733,6 +733,9 @@ def test_up_start_status_logs_stop_down_on_the_standin_run_every_line_of_the_lau
                      gcs.objects(f"runs/life/steps=60/metrics.jsonl"), timeout=600, what="point 1 running")
     r = _sh(script, "status", env=env)
     assert r.returncode == 2 and "queued resource pod-1: ACTIVE" in r.stdout and "running" in r.stdout
+    standin.fail("queued-resources", "describe", "value(state.state)", times=3)  # the API fails 3 times running
+    r = _sh(script, "status", env=env)
+    assert r.returncode == 1 and "describe pod-1 failed 3 times: ERROR: (gcloud) HTTPError 503" in r.stderr
     r = _sh(script, "down", env=env)
     assert r.returncode == 1 and "a point is running on pod-1" in r.stderr
     r = _sh(script, "stop", env=env, timeout=900)
@@ -814,7 +817,9 @@ def test_a_fresh_host_installs_the_shipped_tree_from_the_lock_and_runs_a_point(s
         standin.wait_for(ended, timeout=1500, what="the point to end")
     finally:
         print((home / "startup.log").read_text()[-4000:] if (home / "startup.log").exists() else "no startup.log")
-    assert S.exit_code(S.collect(base)) == 0
+        for log in sorted(home.glob(".diloco-agent/*/logs/*/*.log")) + [home / "diloco" / "agent.log"]:
+            print(f"--- {log}\n" + (log.read_text()[-3000:] if log.exists() else "(none)"))
+    assert S.exit_code(S.collect(base)) == 0, S.render(S.collect(base))
     plan = json.loads((out / "plan.json").read_text())
     import hashlib
 
