@@ -150,6 +150,17 @@ CLAIMS: tuple[Claim, ...] = (
           "gap(tiny) − gap(toy), percentage points", "trend"),
     Claim(TREND, "Table 5", HL, (), (0.0, INF), PaperNumbers.trend, "gap(tiny) − gap(toy), percentage points",
           "trend"),
+    # [EU] (eager updates, arXiv 2502.12996): sweeps/eager.py; rows named by experiments/eager.py's row
+    Claim("[EU] naive 1-outer-step delay hurts (DiLoCo)", "[EU] Table 2", "eager_table2", ("naive", "none"),
+          (1.0, INF), "3.01 vs 2.67: +12.7 % (500M, H=30)", "band: ≥ +1 %; toy H = 10"),
+    Claim("[EU] eager (swap) recovers most of it: beats naive delay", "[EU] Table 2", "eager_table2",
+          ("swap", "naive"), (-INF, -1.0), "2.69 vs 3.01: −10.6 %", "band: ≤ −1 %; swap reading"),
+    Claim("[EU] eager (mix) recovers most of it: beats naive delay", "[EU] Table 2", "eager_table2",
+          ("mix", "naive"), (-INF, -1.0), "2.69 vs 3.01: −10.6 %", "band: ≤ −1 %; mix reading"),
+    Claim("[EU] eager costs more on Streaming than on DiLoCo", "[EU] Table 3", "eager_table3",
+          (("swap,streaming", "none,streaming"), ("swap,diloco", "none,diloco")), (0.0, INF),
+          "+1.5 % vs +0.4 %: +1.1 pp", "(eager − no overlap on Streaming) − (same on DiLoCo), pp; swap reading",
+          "gap_change"),
 )
 BY_CLAIM = {d.claim: d for d in CLAIMS}
 
@@ -183,6 +194,12 @@ FAMILIES = {  # in the order their rows are written
         lambda r: str(r.pattern),
         lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps — the quick budget, untuned lrs; "
                       f"{int(g.fragments.iloc[0])} fragments)"),
+    "eager_table2": Family(
+        lambda r: r.point.split("+")[1],
+        lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps, H={int(g.H.iloc[0])})"),
+    "eager_table3": Family(
+        lambda r: ",".join(r.point.split("+")[1:3]),
+        lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps, H={int(g.H.iloc[0])})"),
 }
 
 
