@@ -1,17 +1,21 @@
 """The real training loop (train()) with the real data loader: which rows each replica gets, and
 that with M=1, outer lr 1, momentum 0 (α=0, τ=0, no codec) the DiLoCo family ends at DP's parameters."""
+import json
+import shutil
+
 import jax
 import numpy as np
 
 from conftest import tiny_config
 from diloco.data import TokenBatches
 from diloco.train import train
-from diloco.trainer import Trainer, load_run
+from diloco.eval.runs import load_run
+from diloco.trainer import Trainer
 
 
 def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(tmp_path, monkeypatch):
     seen_global, seen_replica = [], []
-    real_next, real_fn = TokenBatches.__next__, Trainer.inner_step_fn
+    real_next, real_fn = TokenBatches.__next__, Trainer.inner_step
 
     def rec_next(self):
         b = real_next(self)
@@ -19,8 +23,10 @@ def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(t
             seen_global.append(np.array(b))
         return b
 
-    def rec_fn(self, active=None):
-        f = real_fn(self, active)
+    def rec_fn(self, active=None, jitted=True):
+        f = real_fn(self, active, jitted)
+        if not jitted:
+            return f
 
         def g(state, tokens, *rest):
             seen_replica.append(np.array(tokens))
@@ -28,7 +34,7 @@ def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(t
         return g
 
     monkeypatch.setattr(TokenBatches, "__next__", rec_next)
-    monkeypatch.setattr(Trainer, "inner_step_fn", rec_fn)
+    monkeypatch.setattr(Trainer, "inner_step", rec_fn)
     cfg = tiny_config("diloco", replicas=2, batch_size=4, steps=4, H=2, eval_every=4, checkpoint_every=4)
     train(cfg, tmp_path / "run", progress=False)
     assert len(seen_replica) == 4 and len(seen_global) >= 4
@@ -68,3 +74,47 @@ def test_M1_outer_lr1_momentum0_ends_with_dp_parameters(tmp_path):
     worst = max(float(np.max(np.abs(x - y))) for x, y in zip(params["dp"], outer["diloco"]))
     assert worst < 1e-5, worst
     assert max(float(np.max(np.abs(x - y))) for x, y in zip(params["dp"], start)) > 1e-3  # training moved them
+
+
+def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_before_restoring(tmp_path, monkeypatch):
+    """train() on tokens:STORE: replicas get disjoint rows, every metrics row's data_hash is the reader's pure
+    function of the step; resumed on a store with another fingerprint it stops with one ConfigError naming
+    both fingerprints, before the model state is read."""
+    import pytest
+
+    from diloco.checkpoint import Checkpointer
+    from diloco.data import reader, store
+    from diloco.errors import ConfigError
+    from test_store import make_text_corpus
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    store.tokenize(make_text_corpus(tmp_path / "ca", n_train=4, size=20_000), "byte", a, workers=1, progress=False)
+    store.tokenize(make_text_corpus(tmp_path / "cb", n_train=4, size=21_000), "byte", b, workers=1, progress=False)
+    seen = []
+    real_fn = Trainer.inner_step
+
+    def rec_fn(self, active=None, jitted=True):
+        f = real_fn(self, active, jitted)
+        if not jitted:
+            return f
+
+        def g(state, tokens, *rest):
+            seen.append(np.array(tokens))
+            return f(state, tokens, *rest)
+        return g
+
+    monkeypatch.setattr(Trainer, "inner_step", rec_fn)
+    cfg = tiny_config("diloco", replicas=2, batch_size=4, steps=4, H=2, log_every=1, eval_every=4,
+                      checkpoint_every=2, data=f"tokens:{a}")
+    train(cfg, tmp_path / "run", progress=False)
+    it = reader.StoreBatches(a, 32, 4, cfg.seed)
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["data_hash"] for r in rows] == [it.batch_hash(t, t + 1) for t in range(4)]
+    for t, per in enumerate(seen):  # replica r holds rows r·2, r·2+1 of the global batch
+        assert np.array_equal(per.reshape(4, 32), it.read(t))
+    monkeypatch.setattr(Checkpointer, "restore", lambda *a, **k: pytest.fail("the model state was read"))
+    fa, fb = store.read_manifest(a)["fingerprint"], store.read_manifest(b)["fingerprint"]
+    shutil.rmtree(a)
+    shutil.move(b, a)  # another corpus's store now at the path the run was started on
+    with pytest.raises(ConfigError, match=f"token store {fa} .*this run reads {fb}"):
+        train(cfg, tmp_path / "run", progress=False)

@@ -306,3 +306,26 @@ def test_a_source_sorted_jsonl_corpus_gives_every_batch_the_corpus_source_share(
     assert worst <= tol
     old = TokenBatches(data, "byte", L, B, seed=0, prefetch=0)
     assert max(abs(_source_share(next(old)) - p) for _ in range(s.num_rows(L) // B)) > tol
+
+
+def test_preflight_checks_a_points_store_before_billing(gcs, corpus):
+    """diloco/tpu/preflight.py: a store on this machine's disk is refused; on gs:// its manifest must exist and fit
+    the point's vocabulary and seq_len, with `diloco data tokenize` as the fix."""
+    import ml_collections
+
+    from diloco.tpu import preflight
+
+    url = gcs.url("stores", "p")
+
+    def cfg(data, vocab="byte", seq_len=64):
+        return ml_collections.ConfigDict({"data": data, "vocab": vocab, "seq_len": seq_len, "data_dir": ""})
+
+    with pytest.raises(ConfigError, match="on this machine's disk.*diloco data tokenize"):
+        preflight.check_data(cfg("tokens:/tmp/store"), "pt", set())
+    preflight.check_data(cfg(f"tokens:{url}"), "pt", set())
+    with pytest.raises(ConfigError, match="point pt: no token store .*diloco data tokenize"):
+        preflight.check_remote(cfg(f"tokens:{url}"), "pt")
+    store.tokenize(corpus, "byte", url, workers=1, progress=False)
+    preflight.check_remote(cfg(f"tokens:{url}"), "pt")
+    with pytest.raises(ConfigError, match="point pt: .*less than one row of seq_len=999999999"):
+        preflight.check_remote(cfg(f"tokens:{url}", seq_len=999_999_999), "pt")

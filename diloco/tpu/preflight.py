@@ -111,6 +111,9 @@ def check_data(cfg, name: str, tree: set[str]) -> None:
     elif kind == "c4" and arg and not arg.startswith("gs://"):
         raise ConfigError("data", f"point {name}: {arg!r} is on this machine's disk; use data=c4:gs://… (a prepared "
                           "TFDS directory in the bucket)")
+    elif kind == "tokens" and not arg.startswith("gs://"):  # a token store (diloco/data/store.py)
+        raise ConfigError("data", f"point {name}: the token store {arg!r} is on this machine's disk; `diloco data "
+                          "tokenize --out gs://BUCKET/STORE` and --set data=tokens:gs://BUCKET/STORE")
     elif kind in ("dolma", "jsonl", "text") and arg:
         import glob
 
@@ -258,6 +261,13 @@ def check_remote(cfg, name: str) -> str:
 
     kind, _, arg = cfg.data.partition(":")
     chosen = ""
+    if kind == "tokens":  # its manifest exists and fits the point's vocabulary and seq_len
+        from diloco.data.store import check_store
+
+        try:
+            check_store(arg, cfg.vocab, cfg.seq_len)
+        except ConfigError as e:
+            raise _point_error(e, name) from None
     if kind in ("c4", "dolma") and not arg or kind == "c4" and arg:
         try:
             parse_data(cfg.data, cfg.data_dir or None)
