@@ -441,3 +441,31 @@ def test_a_vm_account_without_bucket_roles_is_refused_before_create_and_would_ne
     standin.wait_for(lambda: log.exists() and "boot failed" in log.read_text(), 180, "the refused boot")
     assert "could not fetch" in log.read_text()
     assert "403" in (standin.host("pod-1", 0, 0).home / "startup.log").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("setpriv"), reason="needs root and setpriv")
+def test_start_without_passwordless_sudo_never_starts_a_second_agent_beside_roots(tmp_path):
+    """startup.sh run by a user without passwordless sudo (`launch_tpu.sh start` over ssh) while the boot's
+    agent runs as root: it says so and starts nothing."""
+    out = tmp_path / "b"
+    assert sw.main([str(_sweep(tmp_path)), "--root", "gs://bkt/r", *TPU, "--accelerator", "v5litepod-4",
+                    "--check-fit", "off", "--out", str(out), "--dry-run"]) == 0
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:  # under /tmp: the user can reach it (pytest's folder is 0700)
+        os.chmod(d, 0o755)
+        home = Path(d) / "home"
+        home.mkdir()
+        os.chown(home, 65534, 65534)
+        (Path(d) / "startup.sh").write_text((out / "startup.sh").read_text())
+        root_agent = subprocess.Popen(["bash", "-c", 'exec -a "python -m diloco.tpu.agent --plan x" sleep 60'])
+        try:
+            time.sleep(0.2)
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash",
+                                str(Path(d) / "startup.sh")], capture_output=True, text=True, timeout=60,
+                               env={"HOME": str(home), "PATH": "/usr/bin:/bin", "DILOCO_TPU_PYTHON": "/bin/false"})
+            assert r.returncode == 0 and f"the agent already runs as root (pid {root_agent.pid})" in r.stdout, r
+            assert not (home / "diloco").exists()
+        finally:
+            root_agent.kill()
+            root_agent.wait()
