@@ -329,3 +329,24 @@ def test_preflight_checks_a_points_store_before_billing(gcs, corpus):
     preflight.check_remote(cfg(f"tokens:{url}"), "pt")
     with pytest.raises(ConfigError, match="point pt: .*less than one row of seq_len=999999999"):
         preflight.check_remote(cfg(f"tokens:{url}", seq_len=999_999_999), "pt")
+
+
+def test_tokens_of_a_corpus_spec_is_prepared_into_the_local_cache_once(corpus, st, tmp_path, monkeypatch):
+    """tokens:text:<glob> (and tokens:stdlib, tokens:jsonl:…): the store is made in $DILOCO_CACHE/stores on first
+    use, with the fingerprint `diloco data tokenize` gives, and reused after that."""
+    from diloco.data import eval_batches, validate_data
+
+    monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
+    data = f"tokens:{corpus}"
+    validate_data(data, "byte", None, 64)  # the corpus's own checks; nothing tokenized yet
+    assert not (tmp_path / "cache").exists()
+    path = store.resolve(data, "byte")
+    assert path.startswith(str(tmp_path / "cache" / "stores"))
+    assert store.read_manifest(path)["fingerprint"] == store.read_manifest(st)["fingerprint"]
+    mtime = os.stat(os.path.join(path, "manifest.json")).st_mtime_ns
+    assert store.resolve(data, "byte") == path and os.stat(os.path.join(path, "manifest.json")).st_mtime_ns == mtime
+    ev = eval_batches(data, "byte", 64, 4, 2)
+    assert np.array_equal(np.stack(ev), np.stack(reader.store_eval_batches(st, 64, 4, 2)))
+    monkeypatch.setenv("DILOCO_CACHE", "none")
+    with pytest.raises(ConfigError, match="DILOCO_CACHE=none"):
+        store.resolve(data, "byte")

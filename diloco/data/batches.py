@@ -15,21 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from diloco.data import specs
+from diloco.data.specs import cache_dir  # noqa: F401  (diloco.cli and tests use batches.cache_dir)
 from diloco.errors import ConfigError
 
 CACHE_VERSION = 1
 STATE_VERSION = 1
-
-
-def cache_dir() -> Path | None:
-    """$DILOCO_CACHE (default ~/.cache/diloco); 'none' disables the on-disk token cache. A remote URL
-    (gs://…) is refused: the cache is this machine's disk (a token store may live on gs://)."""
-    d = os.environ.get("DILOCO_CACHE", "~/.cache/diloco")
-    if "://" in d:
-        raise ConfigError("DILOCO_CACHE", f"{d!r} is a remote URL; the token cache must be a local folder (unset "
-                          "DILOCO_CACHE for ~/.cache/diloco). Put a corpus on gs:// as a token store: "
-                          "`diloco data tokenize --out gs://…`, then --config.data=tokens:gs://…")
-    return None if d.lower() in ("", "none", "off", "0") else Path(os.path.expanduser(d))
 
 
 def _split_fingerprint(spec: specs.Spec, vocab: str, split: str, n: int) -> str:
@@ -395,9 +385,11 @@ def train_batches(cfg, sharding, shape: tuple[int, int, int], saved: dict | None
     model state is read)."""
     from diloco import distributed as dist
 
-    store = specs.store_path(cfg.data)
-    if store is not None:
+    if specs.store_path(cfg.data) is not None:
         from diloco.data.reader import StoreBatches, local_row_ids
+        from diloco.data.store import resolve
+
+        store = resolve(cfg.data, cfg.vocab, cfg.data_dir or None)
 
         it = StoreBatches(store, cfg.seq_len, cfg.batch_size, cfg.seed, local_row_ids(sharding, shape))
     else:
@@ -426,7 +418,8 @@ def eval_batches(data: str, vocab: str, seq_len: int, batch_size: int, num_batch
     """The first num_batches packed batches of the validation split in source order (wrapping if short)."""
     if specs.store_path(data) is not None:
         from diloco.data.reader import store_eval_batches
+        from diloco.data.store import resolve
 
-        return store_eval_batches(specs.store_path(data), seq_len, batch_size, num_batches)
+        return store_eval_batches(resolve(data, vocab, data_dir), seq_len, batch_size, num_batches)
     it = TokenBatches(data, vocab, seq_len, batch_size, split="validation", data_dir=data_dir, shuffle=False, prefetch=0)
     return [next(it) for _ in range(num_batches)]

@@ -176,6 +176,17 @@ def _check_utf8(path: str) -> None:
         raise ConfigError("data", f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it with `iconv -t utf-8` or exclude it from the glob") from None
 
 
+def cache_dir() -> Path | None:
+    """$DILOCO_CACHE (default ~/.cache/diloco); 'none' disables the on-disk token cache. A remote URL
+    (gs://…) is refused: the cache is this machine's disk (a token store may live on gs://)."""
+    d = os.environ.get("DILOCO_CACHE", "~/.cache/diloco")
+    if "://" in d:
+        raise ConfigError("DILOCO_CACHE", f"{d!r} is a remote URL; the token cache must be a local folder (unset "
+                          "DILOCO_CACHE for ~/.cache/diloco). Put a corpus on gs:// as a token store: "
+                          "`diloco data tokenize --out gs://…`, then --config.data=tokens:gs://…")
+    return None if d.lower() in ("", "none", "off", "0") else Path(os.path.expanduser(d))
+
+
 def store_path(data) -> str | None:
     """The token store of a 'tokens:<path>' spec (local or gs://…), else None."""
     if isinstance(data, str) and data.strip().startswith("tokens:"):

@@ -318,10 +318,40 @@ class Store:
         self._maps.clear()
 
 
+AUTO_KINDS = ("stdlib", "jsonl", "text", "dolma")  # tokens:<one of these specs>: prepared into the local cache
+
+
+def auto_spec(data: str) -> str | None:
+    """The corpus spec of 'tokens:stdlib', 'tokens:jsonl:<glob>', … (a store made on first use), else None."""
+    arg = specs.store_path(data)
+    return arg if arg is not None and (arg == "stdlib" or arg.split(":", 1)[0] in AUTO_KINDS[1:] and ":" in arg) else None
+
+
+def resolve(data: str, vocab: str, data_dir: str | None = None) -> str:
+    """The store a 'tokens:' spec reads: its path, or for tokens:<corpus spec> the store in
+    $DILOCO_CACHE/stores/ named by the corpus's identity and the vocabulary, tokenized there on first use."""
+    corpus = auto_spec(data)
+    if corpus is None:
+        return specs.store_path(data)
+    root = specs.cache_dir()
+    if root is None:
+        raise ConfigError("data", f"{data!r} is prepared into the token cache, which DILOCO_CACHE=none turns off; "
+                          "set DILOCO_CACHE to a local folder, or `diloco data tokenize` and use tokens:<store>")
+    spec = specs.parse_data(corpus, data_dir)
+    key = _sha([FORMAT, VERSION, [source_identity(spec, s) for s in specs.SPLITS], vocab_identity(vocab)])[:16]
+    out = root / "stores" / f"{spec.kind}-{key}"
+    if not (out / MANIFEST).is_file():
+        tokenize(corpus, vocab, str(out), data_dir, workers=1, progress=False)
+    return str(out)
+
+
 def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, split: str = "train") -> None:
-    """specs.validate_data, and for 'tokens:<store>' the store's manifest checked against vocab and seq_len."""
+    """specs.validate_data, and for 'tokens:<store>' the store's manifest checked against vocab and seq_len
+    (for tokens:<corpus spec>, the corpus spec's checks: its store is made on first read)."""
     if specs.store_path(data) is None:
         return specs.validate_data(data, vocab, data_dir, seq_len, split)
+    if auto_spec(data) is not None:
+        return specs.validate_data(auto_spec(data), vocab, data_dir, seq_len, split)
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise ConfigError("seq_len", f"seq_len={seq_len!r} must be an int >= 2")
     check_store(specs.store_path(data), vocab, seq_len, splits=(split,))
@@ -331,6 +361,8 @@ def corpus_info(data: str, data_dir: str | None = None) -> dict:
     """specs.corpus_info, or a token store's identity (fingerprint, vocabulary, sources, counts)."""
     if specs.store_path(data) is None:
         return specs.corpus_info(data, data_dir)
+    if auto_spec(data) is not None:
+        return {**specs.corpus_info(auto_spec(data), data_dir), "data": data, "store": "prepared in $DILOCO_CACHE/stores"}
     man = read_manifest(specs.store_path(data))
     return {"data": data, "kind": "tokens", "store_fingerprint": man["fingerprint"], "vocab": man["vocab"],
             "splits": {k: {"source": v["source"], "tokens": v["tokens"], "docs": v["docs"]} for k, v in man["splits"].items()}}
