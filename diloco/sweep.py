@@ -225,7 +225,17 @@ def stale_fields(point: dict, wd: Path, extra: list[str] = ()) -> list[str]:
         return []
     a, b = flatten(old), flatten(new)
     dp = b.get("method") == "dp"  # DP has no outer step: its outer.* do nothing
-    return sorted(k for k in a if k in b and a[k] != b[k] and b[k] != "auto" and not (dp and k.startswith("outer.")))
+    stale = sorted(k for k in a if k in b and a[k] != b[k] and b[k] != "auto" and not (dp and k.startswith("outer.")))
+    try:
+        plan = json.loads((wd / "summary.json").read_text()).get("resolved")
+    except (OSError, ValueError, AttributeError):
+        plan = None
+    if plan:  # the run recorded what it resolved: compare that plan with this point's, not the `auto` text
+        from diloco.resolve import PLANNED_FIELDS, stale_choices
+
+        stale = [k for k in stale if k not in PLANNED_FIELDS] + stale_choices(plan, load_config(
+            point["spec"], [*point["overrides"], *extra], check_data=False))
+    return stale
 
 
 def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,
@@ -422,6 +432,10 @@ def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
     bundle.check_out(out, args.tpu)
     sweep = {**sweep, "points": [p for p in sweep["points"] if args.only in p["name"]]}
     tree = set(bundle.tree_files(exclude=out, ship=tuple(args.ship)))
+    left = bundle.untracked(exclude=out, ship=tuple(args.ship))
+    if left:
+        print(f"diloco sweep: warning: {len(left)} untracked file(s) not shipped to the pod: {', '.join(left[:5])}"
+              f"{', …' if len(left) > 5 else ''}; `git add` what the run needs, or --ship PATH", file=sys.stderr)
     checked = preflight.check(sweep, args.root, args.accelerator, args.slices, extra, tree, args.check_fit,
                               remote=not args.dry_run)
     for w in dict.fromkeys(checked.warnings):

@@ -93,6 +93,7 @@ def test_a_credential_is_refused_by_name_tracked_or_shipped(repo, name, body):
     (repo / name).parent.mkdir(parents=True, exist_ok=True)
     (repo / name).write_text(body)
     assert bundle.tree_files(repo) == ["pkg/a.py", "tokenizer.json"]  # untracked: not shipped at all
+    assert bundle.untracked(repo) == [name] and bundle.untracked(repo, ship=(name,)) == []  # (a warning names it)
     with pytest.raises(ConfigError, match=re.escape(name) + ".*look.*like a credential"):
         bundle.tree_files(repo, ship=(name,))
     _git(repo, "add", "-f", name)  # tracked (committed by mistake): refused too, by name

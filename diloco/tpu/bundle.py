@@ -141,6 +141,20 @@ def tree_files(root: Path = REPO_ROOT, exclude: Path | None = None, ship: tuple[
     return sorted(files)
 
 
+def untracked(root: Path = REPO_ROOT, exclude: Path | None = None, ship: tuple[str, ...] = ()) -> list[str]:
+    """Untracked, not ignored files that are not shipped (a module not yet `git add`ed would be missing on
+    the pod): for a warning."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-o", "--exclude-standard", "-z"],
+                             capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    ex = os.path.abspath(exclude) + os.sep if exclude else None
+    shipped = {os.path.normpath(f) for f in ship}
+    return sorted(f for f in out if f and os.path.normpath(f) not in shipped
+                  and not (ex and os.path.abspath(root / f).startswith(ex)))
+
+
 BUNDLE_FILES = re.compile(r"(tree-[0-9a-f]{12}\.tar\.gz|vocab-[0-9a-f]{12}\.model|plan\.json|requirements\.lock|"
                           r"bootstrap\.sh|startup\.sh|launch_tpu\.sh|\.diloco-bundle)")
 MARKER = ".diloco-bundle"
