@@ -1,4 +1,5 @@
-"""`diloco fragments --config SPEC`: which parameter goes to which fragment, with sizes and bytes."""
+"""`diloco fragments --config SPEC`: which parameter goes to which fragment, with sizes and bytes, and
+which fragments share one compiled program (`Fragments.groups`)."""
 from __future__ import annotations
 
 import argparse
@@ -32,4 +33,10 @@ def main(argv: list[str]) -> int:
               f"{nb:,} bytes per replica per sync ({codec.name}), fp32 {4 * frags.sizes[p]:,}")
         for n in frags.names[p]:
             print(f"    {n}")
+    groups = frags.groups()
+    print(f"compiled programs: one per fragment layout, {len(groups)} for {frags.P} fragments"
+          + ("" if any(rows is not None for part in frags.parts for _, rows in part) else
+             " (blocks are separate leaves: model.scan=false, so no two fragments share a program)"))
+    for g in groups:
+        print(f"    fragments {', '.join(map(str, g))}" if len(g) > 1 else f"    fragment {g[0]}")
     return 0

@@ -73,3 +73,16 @@ def test_shared_program_equals_the_per_fragment_one_bit_for_bit(pattern, codec):
             if q != p:
                 np.testing.assert_array_equal(fr.flatten(g2, q), fr.flatten(outer.params, q))
     assert shared._cache_size() == 1  # one compile for the whole group
+
+
+def test_diloco_fragments_says_which_fragments_share_a_program(capsys, shared_dir):
+    """1B Streaming (24 blocks under nn.scan, 3 per fragment, strided, embeddings with fragment 0): 8
+    fragments, 2 programs per kind — fragment 0 and fragments 1…7."""
+    from diloco.fragments_cli import main
+
+    spm = shared_dir / "data" / "vocab" / "sentencepiece_cc_all.32000.100extra-sentencepiece.model"
+    assert main(["--config", "experiments/c4_scaling.py:1B,streaming_ovl_fp4_h100",
+                 f"--config.vocab=sentencepiece:{spm}", "--config.data=stdlib"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled programs: one per fragment layout, 2 for 8 fragments\n" in out
+    assert out.endswith("    fragment 0\n    fragments 1, 2, 3, 4, 5, 6, 7\n")
