@@ -100,7 +100,8 @@ def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
     avg_new, sent, ex = exchange(sync, ex, p, fresh, key, contrib_R)
     old_avg, old_own = ex.avg[p][0], ex.own[p][0]
     ex = ex.replace(avg=_set(ex.avg, p, jnp.concatenate([ex.avg[p][1:], avg_new[None]])))
-    if mode == "swap":
+    if mode == "swap":  # a replica that did not contribute (fault injection) has no share to replace later
+        sent = jnp.where((contrib_R > 0)[:, None], sent, 0.0)
         ex = ex.replace(own=_set(ex.own, p, jnp.concatenate([ex.own[p][1:], sent[None]])))
     g_R = eager.applied(mode, fresh, old_avg, old_own)
     if mask_R is None:
