@@ -20,7 +20,7 @@ import sys
 import time
 
 from diloco.rundir import path, read_jsonl
-from diloco.tpu.agent import TIMING, Layout, fresh_reads, hosts, latest_go, load, names, read_text
+from diloco.tpu.layout import TIMING, Layout, fresh_reads, hosts, latest_go, load, names, read_text
 from diloco.tpu.decide import LEADER, age, boot_tail, label
 
 TAIL = 12  # log lines shown for a failed point
