@@ -1,6 +1,6 @@
 """[EU] Table 2 (overlap variants on DiLoCo, H = 30) and Table 3 (eager on DiLoCo vs Streaming DiLoCo).
 
-  diloco sweep sweeps/eager.py:table2,tiny --root runs -j 2     (8 rows × 3 seeds)
+  diloco sweep sweeps/eager.py:table2,tiny --root runs -j 2     (8 rows × 3 seeds; `:tiny` is the same)
   diloco sweep sweeps/eager.py:table3,tiny --root runs -j 2     (2 bases × none/swap/mix × 3 seeds)
 Rows and bases: experiments/eager.py.
 """
@@ -12,6 +12,8 @@ SEEDS = 3
 
 def get_sweep(arg: str = "table2,tiny"):
     group, _, scale = arg.partition(",")
+    if group not in GROUPS and not scale:  # `sweeps/eager.py:tiny`: Table 2 at that scale
+        group, scale = "table2", group
     scale = scale or "tiny"
     if group not in GROUPS:
         raise ValueError(f"sweeps/eager.py:{arg!r}: group must be one of {', '.join(GROUPS)}")
