@@ -100,6 +100,6 @@ def test_eager_sweep_points_validate():
         s = load_sweep(f"sweeps/eager.py:{group},tiny")
         assert len(s["points"]) == (8 if group == "table2" else 6) * 3  # × 3 seeds
         assert s["name"] == f"eager_{group}_tiny"
-    assert load_sweep("sweeps/eager.py:tiny")["name"] == "eager_table2_tiny"
         for p in s["points"]:
             validate(load_config(p["spec"], p["overrides"]), check_data=False)
+    assert load_sweep("sweeps/eager.py:tiny")["name"] == "eager_table2_tiny"
