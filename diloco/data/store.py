@@ -252,9 +252,9 @@ def check_store(store: str, vocab: str, seq_len: int, splits=specs.SPLITS) -> di
 
 class Store:
     """Rows of one split of a store: rows(ids, L) → int32 (len(ids), L). Local parts are memory-mapped;
-    gs://… parts are read by byte range, the rows of one call in parallel threads."""
+    gs://… parts are read by byte range (one GET per row span), the rows of one call in parallel threads."""
 
-    def __init__(self, store: str, split: str = "train", threads: int = 16):
+    def __init__(self, store: str, split: str = "train", threads: int | None = None):
         from diloco.rundir import is_remote
 
         self.path, self.split = os.fspath(store), split
@@ -266,7 +266,8 @@ class Store:
         self.files = [_path(store) / split / p["file"] for p in s["parts"]]
         self.starts = np.concatenate([[0], np.cumsum([p["tokens"] for p in s["parts"]])]).astype(np.int64)
         self.tokens = int(self.starts[-1])
-        self.remote, self.threads = is_remote(self.path), threads
+        # gs://: reads are latency-bound, so many in flight (DILOCO_STORE_THREADS, default 64)
+        self.remote, self.threads = is_remote(self.path), int(threads or os.environ.get("DILOCO_STORE_THREADS", 64))
         self._maps: dict[int, np.ndarray] = {}
         self._pool = self._fs = None
 
