@@ -1,7 +1,6 @@
 """The real training loop (train()) with the real data loader: which rows each replica gets, and
 that with M=1, outer lr 1, momentum 0 (α=0, τ=0, no codec) the DiLoCo family ends at DP's parameters."""
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -76,10 +75,10 @@ def test_M1_outer_lr1_momentum0_ends_with_dp_parameters(tmp_path):
     assert max(float(np.max(np.abs(x - y))) for x, y in zip(params["dp"], start)) > 1e-3  # training moved them
 
 
-def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_before_restoring(tmp_path, monkeypatch):
-    """train() on tokens:STORE: replicas get disjoint rows, every metrics row's data_hash is the reader's pure
-    function of the step; resumed on a store with another fingerprint it stops with one ConfigError naming
-    both fingerprints, before the model state is read."""
+def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_before_restoring(tmp_path, monkeypatch, gcs):
+    """train() on tokens:gs://… (the storage emulator): replicas get disjoint rows, every metrics row's data_hash
+    is the reader's pure function of the step; resumed after another corpus was tokenized to the same path, it
+    stops with one ConfigError naming both fingerprints, before the model state is read."""
     import pytest
 
     from diloco.checkpoint import Checkpointer
@@ -87,9 +86,8 @@ def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_
     from diloco.errors import ConfigError
     from test_store import make_text_corpus
 
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    a = gcs.url("stores", "run")
     store.tokenize(make_text_corpus(tmp_path / "ca", n_train=4, size=20_000), "byte", a, workers=1, progress=False)
-    store.tokenize(make_text_corpus(tmp_path / "cb", n_train=4, size=21_000), "byte", b, workers=1, progress=False)
     seen = []
     real_fn = Trainer.inner_step
 
@@ -113,8 +111,9 @@ def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_
     for t, per in enumerate(seen):  # replica r holds rows r·2, r·2+1 of the global batch
         assert np.array_equal(per.reshape(4, 32), it.read(t))
     monkeypatch.setattr(Checkpointer, "restore", lambda *a, **k: pytest.fail("the model state was read"))
-    fa, fb = store.read_manifest(a)["fingerprint"], store.read_manifest(b)["fingerprint"]
-    shutil.rmtree(a)
-    shutil.move(b, a)  # another corpus's store now at the path the run was started on
+    fa = store.read_manifest(a)["fingerprint"]
+    store.tokenize(make_text_corpus(tmp_path / "cb", n_train=4, size=21_000), "byte", a, workers=1, progress=False)
+    fb = store.read_manifest(a)["fingerprint"]  # another corpus tokenized to the path the run was started on
+    assert fa != fb
     with pytest.raises(ConfigError, match=f"token store {fa} .*this run reads {fb}"):
         train(cfg, tmp_path / "run", progress=False)
