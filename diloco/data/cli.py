@@ -52,4 +52,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"diloco data: bad input: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if a.cmd != "tokenize":
+            raise
+        print(f"diloco data tokenize: interrupted; the finished parts in {a.out} are kept and no manifest was "
+              "written: run the same command to finish", file=sys.stderr)
+        return 130
     return 0
