@@ -18,7 +18,7 @@ def test_identical_replicas_log_equal_losses_whose_mean_is_the_train_loss():
     the logged per-replica means average to the logged train loss."""
     cfg = tiny_config("diloco", H=1, replicas=2, batch_size=4)
     tr = Trainer(cfg)
-    state, inner = tr.fresh_state(), tr.inner_step_fn()
+    state, inner = tr.fresh_state(), tr.inner_step()
     win = LossWindow(tr, _NoFaults(), Counters(), [], lambda: 0)
     rng = np.random.default_rng(0)
     for t in range(1, 5):
