@@ -321,3 +321,20 @@ def test_readers_bad_counts_name_their_field():
     n = specs.num_shards(specs.parse_data("stdlib"), "validation")
     with pytest.raises(ConfigError, match="data_readers"):
         TokenBatches("stdlib", "byte", 64, 1, split="validation", reader=(n, n + 1))
+
+
+def test_the_shard_permutation_gathered_in_passes_is_the_documents_in_permuted_order(monkeypatch):
+    """batches.permute_documents gathers PERMUTE_DOCS documents per pass (bounded scratch at a shard boundary); the
+    stream is still document perm[0], then perm[1], … whatever the pass size."""
+    from diloco.data import batches
+
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 9, 50)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tokens = rng.integers(3, 259, offsets[-1]).astype(np.uint16)
+    perm = rng.permutation(50)
+    want = np.concatenate([tokens[offsets[d]:offsets[d + 1]] for d in perm])
+    for per_pass in (1, 3, 7, 50, 4096):
+        monkeypatch.setattr(batches, "PERMUTE_DOCS", per_pass)
+        got, off = batches.permute_documents(tokens, offsets, perm)
+        assert np.array_equal(got, want) and off.tolist() == np.concatenate([[0], np.cumsum(lens[perm])]).tolist()

@@ -91,14 +91,24 @@ class ShardStore:
         return out
 
 
-def _permuted(tokens: np.ndarray, offsets: np.ndarray, perm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Documents reordered by perm: (token stream, document start offsets incl. the end)."""
+PERMUTE_DOCS = 4096  # documents gathered per pass: scratch is bounded by their tokens, not the shard's
+
+
+def permute_documents(tokens: np.ndarray, offsets: np.ndarray, perm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Documents reordered by perm: (token stream, document start offsets incl. the end). Gathered
+    PERMUTE_DOCS documents at a time, so the transient beyond the output is ~16 bytes per token of one
+    pass (int64 indices), not of the whole shard."""
     if perm is None:
         return tokens, offsets
     lens = np.diff(offsets)[perm]
     new_off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    idx = np.arange(new_off[-1], dtype=np.int64) + np.repeat(offsets[:-1][perm] - new_off[:-1], lens)
-    return tokens[idx], new_off
+    out = np.empty(int(new_off[-1]), tokens.dtype)
+    for a in range(0, len(perm), PERMUTE_DOCS):
+        b = min(a + PERMUTE_DOCS, len(perm))
+        base, end = int(new_off[a]), int(new_off[b])
+        idx = np.arange(base, end, dtype=np.int64) + np.repeat(offsets[:-1][perm[a:b]] - new_off[a:b], lens[a:b])
+        out[base:end] = tokens[idx]
+    return out, new_off
 
 
 class TokenBatches:
@@ -169,7 +179,7 @@ class TokenBatches:
             tokens, offsets = self.store.get(sid, prefetch=self._shard_id(*self._next_pos(self.epoch, self.shard)))
             ndocs = len(offsets) - 1
             perm = self._rng(self.epoch, sid, 1).permutation(ndocs) if self.shuffle else None
-            stream, offs = _permuted(tokens, offsets, perm)
+            stream, offs = permute_documents(tokens, offsets, perm)
             starts = lens = None
             if not self.pack:  # rows: every document cut into seq_len pieces
                 dl = np.diff(offs)
