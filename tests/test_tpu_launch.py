@@ -842,7 +842,7 @@ def test_a_fresh_host_installs_the_shipped_tree_from_the_lock_and_runs_a_point(s
                                                                       "libtpu": "0.0.42.1"}
     assert {k: v for k, v in installed.items() if k in lock and lock[k] != v} == {}
     text = (out / "startup.sh").read_text()
-    assert install_lines(text) <= traced_lines(trace, ("startup-script", "diloco-startup.sh"))
+    assert install_lines(text) <= traced_lines(trace, ("startup.sh", "diloco-startup.sh"))
     assert _leaks(standin) == []
 
 
