@@ -222,16 +222,18 @@ def check_up(plan: dict, run=subprocess.run, say=print) -> str:
     why = check_shape(plan, desc) or check_nodes(plan, desc, run)
     if why:
         return why
-    for check in (check_offered, check_location, check_account):
-        first, second = check(plan, run)
-        if check is check_location:
-            if first:
-                say(f"launch_tpu.sh up: {first}")
-            first = ""
-        if first:
-            return first
-        if second:
-            say(f"launch_tpu.sh up: warning: {second}")
+    why, offered = check_offered(plan, run)
+    if why:
+        return why
+    note, where_ = check_location(plan, run)
+    if note:
+        say(f"launch_tpu.sh up: {note}")
+    why, account = check_account(plan, run)
+    if why:
+        return why
+    for warning in (offered, where_, account):
+        if warning:
+            say(f"launch_tpu.sh up: warning: {warning}")
     return check_others(plan, other_launches(plan, run), lambda qr, p: describe(qr, p, run))
 
 
