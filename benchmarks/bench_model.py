@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--scales toy,toy-l] [--base d1afa2a] [--rounds 7] [--steps 10]
 
 Each variant is one jitted AdamW training step (value_and_grad of CE + z-loss, global-norm clip,
-AdamW; what Trainer.inner_step_fn does for DP with one replica) at the same shape and the same
+AdamW; what Trainer.inner_step does for DP with one replica) at the same shape and the same
 parameters:
   ref      benchmarks/ref_decoder.py: the same math in plain jax.numpy (the lean baseline)
   now      diloco.model from this checkout (default ModelConfig; also every --attention listed)

@@ -60,7 +60,7 @@ class Bench:
         self.method, self.scale, self.batch, self.seq_len = method, scale, batch, seq_len
         self.tr = tr = Trainer(cfg)
         self.state = tr.fresh_state()
-        self.inner = tr.inner_step_fn()
+        self.inner = tr.inner_step()
         rng = np.random.default_rng(0)
         self.toks = [jax.device_put(rng.integers(2, 250, size=(tr.R, batch // tr.R, seq_len), dtype=np.int32),
                                     tr.batch_sharding) for _ in range(8)]

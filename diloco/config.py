@@ -191,7 +191,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
     _one_of(cfg, "model.remat_policy", ("auto", "none", "full", "save_dots"))
-    _one_of(cfg, "model.attention", ("auto", "xla", "dot_product", "splash"))
+    _one_of(cfg, "model.attention", ("auto", "xla", "dot_product", "cudnn", "splash"))
     from diloco.model.transformer import SPLASH_BLOCK
 
     if cfg.model.attention == "splash" and cfg.seq_len % SPLASH_BLOCK:

@@ -418,7 +418,7 @@ def combined_step_collectives(path: Path | None = None) -> dict:
     flat = {"scale": "tiny", "seq_len": 32, "batch_size": 4, "H": 4, "layers_per_fragment": 1, "tau": 1}
     cfg = load_config("experiments/toy.py:streaming", [f"--config.{k}={v}" for k, v in flat.items()])
     tr = Trainer(cfg, devices=jax.devices()[:2])
-    step = tr.inner_step()  # the Python step the trainer jits
+    step = tr.inner_step(jitted=False)  # the traced step the trainer jits
 
     def combined(state, toks, key):
         return step(state.replace(outer=tr.sync.send(state.params, state.outer, 0, key, jnp.ones(2))), toks)

@@ -226,16 +226,10 @@ def stale_fields(point: dict, wd: Path, extra: list[str] = ()) -> list[str]:
     a, b = flatten(old), flatten(new)
     dp = b.get("method") == "dp"  # DP has no outer step: its outer.* do nothing
     stale = sorted(k for k in a if k in b and a[k] != b[k] and b[k] != "auto" and not (dp and k.startswith("outer.")))
-    try:
-        plan = json.loads((wd / "summary.json").read_text()).get("resolved")
-    except (OSError, ValueError, AttributeError):
-        plan = None
-    if plan:  # the run recorded what it resolved: compare that plan with this point's, not the `auto` text
-        from diloco.resolve import PLANNED_FIELDS, stale_choices
+    from diloco.resolve import stale_against_record  # a recorded plan is compared instead of the `auto` text
 
-        stale = [k for k in stale if k not in PLANNED_FIELDS] + stale_choices(plan, load_config(
-            point["spec"], [*point["overrides"], *extra], check_data=False))
-    return stale
+    return stale_against_record(stale, wd / "summary.json", lambda: load_config(
+        point["spec"], [*point["overrides"], *extra], check_data=False))
 
 
 def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: dict | None = None,

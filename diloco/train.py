@@ -1,14 +1,17 @@
 """The loop: one training run of Data-Parallel, DiLoCo or Streaming DiLoCo.
 
 It only wires the parts together, each owned elsewhere:
-  diloco/trainer.py        state, shardings, jitted inner step and evaluation
+  diloco/trainer.py        state, jitted inner step and evaluation (its plan: diloco/resolve.py)
   diloco/outer/driver.py   sends, outer updates and merges as the schedule says
+  diloco/outer/placement.py  where each send's exchange runs (blocking, in_step, comm_device)
   diloco/data/             token batches (resumable position)
   diloco/checkpoint.py     orbax checkpoints;  diloco/rundir.py  the run folder's records
   diloco/faults.py         fault injection;    diloco/distributed.py  processes of one job
 
-Per step t: inner step → (at log rows) gather the window's losses → outer syncs → log/eval →
-checkpoint → stop if a signal arrived (all processes agree at a log row).
+Per step t: inner step t (carrying step t−1's exchange when the placement puts it on the step) →
+(at log rows) gather the window's losses → the sends after step t, the applies (each landing its
+exchange first) and merges → log/eval → checkpoint (every exchange landed first) → stop if a signal
+arrived (all processes agree at a log row).
 """
 from __future__ import annotations
 
@@ -129,7 +132,8 @@ class Run:
         from diloco.data import eval_batches, train_batches
         from diloco.faults import Faults
         from diloco.rundir import RunDir, is_remote, require
-        from diloco.trainer import Trainer, check_fits_host
+        from diloco.hostmem import check_fits_host
+        from diloco.trainer import Trainer
 
         from diloco.compile import use_tpu_overlap_flags
 
@@ -140,7 +144,8 @@ class Run:
         validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))
         self.cfg, self.dist = cfg, dist
         workdir = require(workdir, "workdir")
-        self.tr = tr = Trainer(cfg, devices=dist.compute_devices(), comm_devices=dist.comm_devices())
+        self.tr = tr = Trainer(cfg, devices=dist.compute_devices(), comm_devices=dist.comm_devices(),
+                               check=self.check)  # the pending check of every send, given once
         check_fits_host(tr)  # on CPU: a state bigger than this host's memory is refused, nothing allocated
         self.run = RunDir(workdir, primary=dist.is_primary())
         self.run.make()
@@ -187,7 +192,7 @@ class Run:
             print(f"resumed {self.run.root} at step {self.start}", file=sys.stderr)
         self.run.resume_records(self.start)
         self.window = LossWindow(tr, self.faults, self.counters, losses, self.last_ckpt, losses_R)
-        self.evals = [dist.global_array(np.asarray(b), tr.repl_sharding)
+        self.evals = [dist.global_array(np.asarray(b), tr.replicated_sharding)
                       for b in eval_batches(cfg.data, cfg.vocab, cfg.seq_len, cfg.batch_size // tr.R * tr.R,
                                             cfg.eval_batches, data_dir=cfg.data_dir or None)]
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -211,13 +216,13 @@ class Run:
 
     def drained(self, t: int) -> tuple[Any, list[int]]:
         """(the state as at the next sync boundary: fragments in flight after t applied, those fragments)."""
-        self.state, out, frags = self.tr.drained(self.state, t, self.check)
+        self.state, out, frags = self.tr.drained(self.state, t)
         return out, frags
 
     def save(self, step: int) -> None:
         self.window.flush()
-        if self.tr.driver is not None:
-            self.state = self.tr.driver.settle(self.state, self.check)
+        if self.tr.placement is not None:  # a checkpoint holds no exchange in flight
+            self.state = self.tr.placement.settle(self.state)
         data = self.data.state(np.concatenate(list(self.dist.allgather(self.data.local_positions()))))
         self.ck.save(step, self.state, {"data": data, "counters": dataclasses.asdict(self.counters),
                                         "step": step, "pending_losses": self.window.losses,
@@ -228,7 +233,11 @@ class Run:
         tokens_RxBxL = self.dist.global_batch(next(self.data), self.data_rows, tr.batch_sharding, self.batch_shape)
         active = tr.schedule.next_sender(t) if cfg.freeze_non_syncing and tr.schedule is not None else None
         t_start = time.perf_counter()
-        self.state, ce_R, fin_R = tr.step(self.state, tokens_RxBxL, active, self.faults.poison(t, "loss"), self.check)
+        poison = self.faults.poison(t, "loss")
+        if tr.placement is None:  # DP
+            self.state, ce_R, fin_R = tr.inner_step(active)(self.state, tokens_RxBxL, *poison)
+        else:  # step t; with in_step its program also exchanges the send parked after step t−1
+            self.state, ce_R, fin_R = tr.placement.step(self.state, tokens_RxBxL, active, poison)
         # This process's replicas only (no collective per step: it would queue behind an exchange
         # in flight); the whole window is gathered at the next log row or checkpoint.
         fin_local = self.dist.local_rows(fin_R)
@@ -248,7 +257,9 @@ class Run:
             self.state = self.faults.restart_replica(tr, self.state)
         self.state = self.faults.poison_params(self.state, t)
         t_sync = time.perf_counter()
-        self.state, sent = tr.driver.after_step(self.state, t, self.faults.contrib, self.check)
+        # the sends after step t go to the placement (blocking: exchanged now; in_step: parked for step
+        # t+1's program; comm_device: dispatched), each apply lands its fragment's exchange first
+        self.state, sent = tr.driver.after_step(self.state, t, self.faults.contrib)
         if self.timeline is not None and (sent or tr.schedule.outer_updates(t)):
             self.timeline.add("syncs", step=t, start=round(t_sync - self.timeline.t0, 6), sent=[p for p, _ in sent])
         self.counters.add_sends(sent, tr.driver.bytes_per_replica)
@@ -300,11 +311,11 @@ class Run:
         with StopSignal() as sig:
             try:
                 for t in range(self.start + 1, cfg.steps + 1):
-                    self.inner_step(t)
+                    self.inner_step(t)  # carries step t−1's exchange when the placement is in_step
                     log_due = t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t == cfg.steps
                     # gather the losses before this step's sends: behind a fragment in flight it would wait
                     peer_stop = self.window.flush(bool(sig.name) if self.multi else None) if log_due else False
-                    self.outer_step(t)
+                    self.outer_step(t)  # step t's sends, applies and merges (placement.send / land)
                     self.counters.wall_seconds = time.time() - self.t0
                     self.bar.update(1)
                     if log_due:
@@ -364,6 +375,7 @@ class Run:
             "corpus": corpus_info(cfg.data, cfg.data_dir or None),
             "versions": versions(),
             "mesh": dict(tr.mesh.shape),
+            "resolved": tr.plan.to_json(),  # every `auto` of the config as this run resolved it (diloco/resolve.py)
         })
         if cfg.downstream.tasks:
             summary["downstream"] = self.downstream(drained, write=False)

@@ -52,10 +52,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.outer = ml_collections.ConfigDict(dict(lr=0.4, momentum=0.9, nesterov=True))
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=3e-3, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.1, b1=0.9, b2=0.99, clip_norm=1.0))
-    # remat_policy: none | full | save_dots | auto (the trainer picks by scale and device: diloco/trainer.py
-    # remat_policy); attention: xla | dot_product | splash | auto (splash on TPU, dot_product on GPU,
-    # xla on CPU). remat=True is "full". scan: true | false | auto (auto: nn.scan over blocks at the
-    # paper's scales, one module per block at the toy scales; diloco/trainer.py scan_layers).
+    # remat_policy: none | full | save_dots | auto; attention: xla | dot_product | cudnn | splash | auto (splash
+    # on TPU, cuDNN's fused kernel on GPU where dtype and head size allow, else xla); scan: true | false | auto
+    # (nn.scan at the paper's scales only). remat=True is "full". Every auto is resolved once, from the config
+    # and the devices (diloco/resolve.py), and recorded in summary.json["resolved"].
     c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan="auto", z_loss=1e-4,
                                              remat_policy="auto", attention="auto"))
     # replica_axis 0: auto (M if the devices allow, else 1). Inside a replica the devices are data × fsdp

@@ -296,9 +296,10 @@ def test_exchange_in_step_needs_tau_at_least_one():
 def test_state_bytes_by_hand_and_the_refusal_at_the_memory_available(monkeypatch):
     """tiny DiLoCo, M=2: 4 bytes × n × (3 per replica: params, AdamW mu, nu + 3 outer: θᵍ, momentum, pending Δ)
     plus the int32 counters (AdamW and schedule counts per replica, the step); refused at one byte less."""
-    from diloco import trainer as T
+    from diloco import hostmem as T
+    from diloco.trainer import Trainer
 
-    tr = T.Trainer(tiny_config("diloco", replicas=2))
+    tr = Trainer(tiny_config("diloco", replicas=2))
     n, R = tr.n_params, 2
     counters = 4 * (2 * R + 1)
     need = T.state_bytes(tr)
@@ -317,7 +318,7 @@ def test_state_bytes_by_hand_and_the_refusal_at_the_memory_available(monkeypatch
 
 
 def test_host_memory_available_reads_meminfo_and_a_cgroup_limit(monkeypatch, tmp_path):
-    from diloco import trainer as T
+    from diloco import hostmem as T
 
     files = {"/proc/meminfo": "MemTotal: 24683652 kB\nMemAvailable: 17217240 kB\n",
              "/sys/fs/cgroup/memory/memory.limit_in_bytes": str(8 * 2**30),

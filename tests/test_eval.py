@@ -479,7 +479,7 @@ def test_diloco_eval_scores_the_drained_params_the_summary_reports(streaming_in_
 def test_diloco_eval_undrained_and_one_replica_on_request(streaming_in_flight):
     from diloco.eval import cli
     from diloco.outer.sync import params_sha256
-    from diloco.trainer import load_run
+    from diloco.eval.runs import load_run
 
     cfg, wd, summary = streaming_in_flight
     und = cli.load_run(wd, "undrained")

@@ -122,7 +122,7 @@ def test_init_is_bit_identical_to_the_previous_model(name):
     assert _params_hash(p) == digest
 
 
-@pytest.mark.parametrize("attention", ["xla", "dot_product", "auto"])
+@pytest.mark.parametrize("attention", ["xla", "dot_product"])
 @pytest.mark.parametrize("remat_policy", ["none", "full", "save_dots"])
 @pytest.mark.parametrize("name", list(GOLDEN))
 def test_loss_matches_the_previous_model(name, attention, remat_policy):
@@ -213,7 +213,7 @@ def test_activation_constraints_follow_logical_rules():
     np.testing.assert_allclose(np.asarray(out), np.asarray(Transformer(cfg).apply({"params": p}, x)), rtol=1e-6)
 
 
-# --- the Pallas splash kernel (model.attention=splash; auto on TPU) -----------------------------------
+# --- the Pallas splash kernel (model.attention=splash; what auto resolves to on TPU) -----------------------------------
 def test_splash_attention_matches_xla_in_loss_and_gradients():
     """The splash kernel (run by its interpreter on CPU; compiled for TPU by `diloco compile`) computes
     the same causal attention as the einsum + softmax path: loss to 1e-6, gradients to 1e-4 relative,
@@ -251,27 +251,87 @@ def test_splash_needs_whole_tiles():
     assert e.value.field == "model.attention" and "192" in str(e.value)
 
 
-@pytest.mark.parametrize("scale,platform,attention,want", [
-    ("toy", "cpu", "auto", "auto"), ("toy", "tpu", "auto", "splash"), ("4B", "tpu", "auto", "splash"),
-    ("4B", "gpu", "auto", "auto"), ("4B", "tpu", "xla", "xla"), ("35M", "cpu", "splash", "splash")])
-def test_attention_auto_picks_splash_on_tpu(scale, platform, attention, want):
-    """Off TPU "auto" passes through: ModelConfig resolves it for its platform (dot_product on GPU, xla on CPU)."""
+def _cfg(scale="4B", **kw):
     import ml_collections
 
-    from diloco.trainer import attention_choice
+    from experiments import base
 
-    cfg = ml_collections.ConfigDict(dict(scale=scale, seq_len=2048, model=dict(attention=attention)))
-    assert attention_choice(cfg, platform) == want
-    cfg.seq_len = 1000  # not whole 128-token tiles: auto falls back to xla on TPU
-    assert attention_choice(cfg, platform) == ("xla" if (platform, attention) == ("tpu", "auto") else want)
+    c = base.get_config().to_dict()
+    c.update(scale=scale, seq_len=kw.pop("seq_len", 2048))
+    c["model"].update(kw)
+    return ml_collections.ConfigDict(c)
+
+
+@pytest.mark.parametrize("scale,platform,over,want,why", [
+    ("toy", "cpu", {}, "xla", "einsum"),
+    ("toy", "tpu", {}, "splash", "whole 128-token tiles"),
+    ("4B", "tpu", {"seq_len": 1000}, "xla", "not a multiple of splash's 128-token tile"),
+    ("4B", "gpu", {"dtype": "bfloat16"}, "cudnn", "cuDNN's fused kernel"),         # K = 3072/48 = 64
+    ("4B", "gpu", {"dtype": "float16"}, "cudnn", "float16, head dim 64"),
+    ("4B", "gpu", {}, "xla", "needs bfloat16 or float16 (model.dtype=float32)"),   # fp32: XLA, and why
+    ("tiny", "gpu", {"dtype": "bfloat16"}, "cudnn", "head dim 16"),              # 32/2 = 16
+    ("4B", "tpu", {"attention": "xla"}, "xla", "set in the config"),
+    ("35M", "cpu", {"attention": "splash"}, "splash", "set in the config"),
+])
+def test_attention_is_resolved_once_for_the_platform_with_its_reason(scale, platform, over, want, why):
+    """diloco/resolve.py: auto → splash on TPU (whole tiles), cuDNN's fused kernel on GPU where dtype and
+    head size allow (else XLA, saying why), XLA on CPU; an explicit choice is kept."""
+    from diloco import resolve
+
+    got, reason = resolve.attention(_cfg(scale, **over), platform)
+    assert got == want and why in reason, (got, reason)
+
+
+def test_cudnn_needs_a_head_dim_it_supports(monkeypatch):
+    from diloco import resolve
+    from diloco.model.scales import SCALES, Scale
+
+    monkeypatch.setitem(SCALES, "odd", Scale(layers=2, d_model=2 * 36, heads=2, mlp_dim=64))  # K = 36: not /8
+    got, why = resolve.attention(_cfg("odd", dtype="bfloat16"), "gpu")
+    assert got == "xla" and "multiple of 8" in why and "36" in why
+
+
+def test_the_model_takes_concrete_attention_only():
+    from diloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.attention"):
+        ModelConfig.from_scale("tiny", vocab_size=64, attention="auto")
+
+
+@pytest.mark.parametrize("scale,platform,over,want", [
+    ("tiny", "tpu", {}, "none"), ("35M", "cpu", {}, "none"), ("35M", "tpu", {}, "save_dots"),
+    ("1B", "gpu", {}, "full"), ("35M", "tpu", {"remat": True}, "full"), ("4B", "tpu", {"remat_policy": "none"}, "none")])
+def test_remat_is_resolved_by_scale_and_platform(scale, platform, over, want):
+    from diloco import resolve
+
+    assert resolve.remat(_cfg(scale, **over), platform)[0] == want
 
 
 @pytest.mark.parametrize("scale,scan,want", [("tiny", "auto", False), ("toy-l", "auto", False),
                                              ("35M", "auto", True), ("10B", "auto", True),
                                              ("35M", False, False), ("toy", "True", True), ("4B", "false", False)])
 def test_scan_auto_stacks_the_paper_scales_only(scale, scan, want):
-    import ml_collections
+    from diloco import resolve
 
-    from diloco.trainer import scan_layers
+    assert resolve.scan(_cfg(scale, scan=scan))[0] is want
 
-    assert scan_layers(ml_collections.ConfigDict(dict(scale=scale, model=dict(scan=scan)))) is want
+
+def test_the_plan_is_recorded_and_a_changed_plan_is_stale():
+    """The trainer's plan (summary.json "resolved") holds every resolved choice; the sweep calls a record
+    stale when the config now resolves one of them differently on the run's platform and devices."""
+    import jax
+    from conftest import tiny_config
+
+    from diloco import resolve
+
+    cfg = tiny_config("streaming", tau=1)
+    plan = resolve.resolve(cfg, jax.devices()[:1]).to_json()
+    assert {k: plan[k] for k in ("platform", "devices", "attention", "remat", "scan", "exchange")} == {
+        "platform": "cpu", "devices": 1, "attention": "xla", "remat": "none", "scan": False, "exchange": "blocking"}
+    assert plan["mesh"] == {"replica": 1, "data": 1, "fsdp": 1} and set(plan["why"]) >= {"attention", "exchange"}
+    assert resolve.stale_choices(plan, cfg) == []
+    assert resolve.stale_choices({**plan, "platform": "tpu"}, cfg) == ["resolved.exchange"]  # auto → in_step there
+    assert resolve.stale_choices(plan, tiny_config("streaming", tau=1, **{"model.attention": "dot_product"})) == [
+        "resolved.attention"]
+    assert resolve.stale_choices(plan, tiny_config("streaming", tau=1, **{"model.attention": "xla"})) == []  # as ran
+    assert resolve.stale_choices({"devices": "?"}, cfg) == []

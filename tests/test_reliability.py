@@ -31,7 +31,8 @@ from diloco.rundir import atomic_write_json
 from diloco.faults import Faults, NumericalFault
 from diloco.rundir import truncate_jsonl
 from diloco.train import train
-from diloco.trainer import Trainer, load_run
+from diloco.eval.runs import load_run
+from diloco.trainer import Trainer
 
 TIMING = ("seconds", "tokens_per_s")
 CLI_TINY = {"scale": "tiny", "seq_len": 32, "batch_size": 4, "steps": 6, "log_every": 2, "eval_every": 3,
@@ -304,7 +305,7 @@ def test_cli_stops_at_a_checkpoint_of_another_state_and_fresh_sets_it_aside(tmp_
 
     def gained(self):
         st = real(self)
-        extra = jax.ShapeDtypeStruct((self.R, 3), jnp.float32, sharding=self.rep_sharding)
+        extra = jax.ShapeDtypeStruct((self.R, 3), jnp.float32, sharding=self.replica_sharding)
         return st.replace(params={**st.params, "adapter": extra})
     monkeypatch.setattr(Trainer, "abstract_state", gained)
     capsys.readouterr()
@@ -469,7 +470,7 @@ def trees_differ(a, b) -> bool:
 def test_missed_sync_contributes_nothing_and_still_receives_the_average(tmp_path):
     cfg = tiny_config("diloco", H=2, **{"faults.miss_sync_replica": 1, "faults.miss_sync_step": 2})
     tr = Trainer(cfg)
-    inner, st = tr.inner_step_fn(), tr.fresh_state()
+    inner, st = tr.inner_step(), tr.fresh_state()
     for b in batches(2):
         st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
     before = host(st)
@@ -491,7 +492,7 @@ def test_missed_sync_contributes_nothing_and_still_receives_the_average(tmp_path
 def test_slower_replica_merges_tau_steps_later(tmp_path):
     cfg = tiny_config("streaming", H=4, layers_per_fragment=3, tau=0, replica_tau="0,2", alpha=0.0, codec="none")
     tr = Trainer(cfg)
-    inner, st, fr = tr.inner_step_fn(), tr.fresh_state(), tr.sync.frags
+    inner, st, fr = tr.inner_step(), tr.fresh_state(), tr.sync.frags
     seen = []
     for t, b in enumerate(batches(7), 1):
         st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
@@ -505,7 +506,7 @@ def test_slower_replica_merges_tau_steps_later(tmp_path):
 def test_restarted_replica_starts_from_the_outer_params_with_fresh_optimizer(tmp_path):
     cfg = tiny_config("diloco", H=3, **{"faults.restart_replica": 1, "faults.restart_step": 2})
     tr = Trainer(cfg)
-    inner, st = tr.inner_step_fn(), tr.fresh_state()
+    inner, st = tr.inner_step(), tr.fresh_state()
     for b in batches(2):
         st, _, _ = inner(st, jnp.asarray(b.reshape(2, -1, 32)))
     before = host(st)

@@ -19,7 +19,7 @@ def run_steps(cfg, batches, tmp_path):
     """Drive the trainer's own jitted pieces with given batches; returns (trainer, state, history)."""
     tr = Trainer(cfg)
     state = tr.fresh_state()
-    inner = tr.inner_step_fn()
+    inner = tr.inner_step()
     hist = []
     for t, b in enumerate(batches, start=1):
         state, _, _ = inner(state, jnp.asarray(b.reshape(tr.R, -1, b.shape[-1])))
@@ -197,7 +197,7 @@ bs = [rng.integers(2, 200, size=(16, 32), dtype=np.int32) for _ in range(9)]
 out = []
 for devs in (jax.devices()[:1], jax.devices()):
     tr = Trainer(cfg, devices=devs)
-    st = tr.fresh_state(); inner = tr.inner_step_fn()
+    st = tr.fresh_state(); inner = tr.inner_step()
     for t, b in enumerate(bs, 1):
         st, _, _ = inner(st, jax.device_put(b.reshape(2, 8, 32), tr.batch_sharding))
         st, _ = tr.driver.after_step(st, t)
@@ -219,7 +219,7 @@ bs[0][:5, 10:] = 0
 out = []
 for devs in (jax.devices()[:1], jax.devices()):
     tr = Trainer(dp, devices=devs)
-    st = tr.fresh_state(); inner = tr.inner_step_fn(); ces = []
+    st = tr.fresh_state(); inner = tr.inner_step(); ces = []
     for b_ in bs[:4]:
         st, ce, _ = inner(st, jax.device_put(b_.reshape(1, 16, 32), tr.batch_sharding)); ces.append(float(ce[0]))
     out.append((st, ces))
@@ -235,55 +235,12 @@ print("OK")
     assert "'replica': 2, 'data': 4" in r.stdout
 
 
-def test_overlapped_exchange_on_comm_devices_gives_the_blocking_numbers():
-    """Exchanges on separate comm devices (4 fake CPU devices: 2 compute, 2 comm), landed at the
-    apply, give bit-identical states to the blocking send; landing early (before a checkpoint) too;
-    the finiteness check runs when the average lands (apply), naming the send step."""
-    script = r"""
-import jax, numpy as np, sys
-sys.path.insert(0, "tests")
-from conftest import tiny_config
-from diloco.trainer import Trainer
-cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, codec="e3m0", batch_size=8)
-rng = np.random.default_rng(0)
-bs = [rng.integers(2, 200, size=(8, 32), dtype=np.int32) for _ in range(10)]
-d = jax.devices()
-def run(comm, settle_at=()):
-    tr = Trainer(cfg, devices=d[:2], comm_devices=comm)
-    st = tr.fresh_state(); inner = tr.inner_step_fn(); checks = []
-    chk = lambda s, p, ts, f: checks.append((t, p, ts))
-    for t, b in enumerate(bs, 1):
-        st, _, _ = inner(st, jax.device_put(b.reshape(2, 4, 32), tr.batch_sharding))
-        st, _ = tr.driver.after_step(st, t, check=chk)
-        if t in settle_at:
-            st = tr.driver.settle(st, chk)
-    return tr, jax.tree_util.tree_map(np.asarray, st), checks
-t0, a, ca = run(None)
-t1, b, cb = run(d[2:])
-t2, c, cc = run(d[2:], settle_at=(4, 8))
-assert t0.overlap is None and t1.overlap is not None
-# comm devices that are also compute devices: the trainer says so and falls back to blocking sends
-assert Trainer(cfg, devices=d[:2], comm_devices=d[1:3]).overlap is None
-for x, y, z in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
-    np.testing.assert_array_equal(x, y); np.testing.assert_array_equal(x, z)
-print("blocking", ca); print("overlap", cb); print("settled", cc)
-assert len(ca) >= 4 and all(t == ts for t, p, ts in ca)  # checked right after the send
-assert all(t == ts + 1 for t, p, ts in cb)        # checked at the apply, tau = 1 later
-assert [(p, ts) for _, p, ts in ca] == [(p, ts) for _, p, ts in cb] == [(p, ts) for _, p, ts in cc]
-assert any(t == ts for t, p, ts in cc)            # settle() landed one before its apply
-print("OK")
-"""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-
-
 def test_drained_evaluation_applies_the_fragments_in_flight_by_hand(tmp_path):
     """The summary's θᵍ (final_eval_loss, params_sha256) is the checkpoint's θᵍ with each fragment still
     in flight stepped by its own outer optimizer; the undrained loss is the checkpoint's θᵍ as is."""
     from diloco.data import eval_batches
     from diloco.outer.sync import params_sha256
-    from diloco.trainer import load_run
+    from diloco.eval.runs import load_run
 
     # tiny: 3 blocks, 1 per fragment (+ embeddings in the first) → P = 3, offsets 0, 1, 3 for H = 4;
     # after step 8 fragment 0 (sent at 8) and fragment 2 (sent at 7) are in flight with τ = 2
@@ -321,7 +278,7 @@ def cfg_for(data, fsdp):
 rng = np.random.default_rng(0)
 bs = [rng.integers(2, 200, size=(16, 32), dtype=np.int32) for _ in range(9)]
 def run(tr, st, steps):
-    inner = tr.inner_step_fn(); ces = []; sent = 0
+    inner = tr.inner_step(); ces = []; sent = 0
     for t in steps:
         st, ce, _ = inner(st, jax.device_put(bs[t - 1].reshape(2, 8, 32), tr.batch_sharding)); ces += list(np.asarray(ce))
         st, s = tr.driver.after_step(st, t); sent += sum(b for _, b in s)
@@ -435,54 +392,113 @@ def test_mesh_fsdp_auto_shards_the_paper_scales(scale, over, want):
 
 
 def run_exchange(cfg, bs, settle_at=(), settle_end=True):
-    """Drive trainer + driver over batches as the loop does; (trainer, host state)."""
+    """Drive trainer + placement + driver over batches as the loop does; (trainer, host state)."""
     tr = Trainer(cfg)
     st = tr.fresh_state()
     for t, b in enumerate(bs, start=1):
-        st, _, _ = tr.step(st, jnp.asarray(b.reshape(tr.R, -1, b.shape[-1])))
+        st, _, _ = tr.placement.step(st, jnp.asarray(b.reshape(tr.R, -1, b.shape[-1])))
         st, _ = tr.driver.after_step(st, t)
-        if t in settle_at:  # a checkpoint: the deferred exchange runs blocking
-            st = tr.driver.settle(st)
-    return tr, jax.tree_util.tree_map(np.asarray, tr.driver.settle(st) if settle_end else st)
+        if t in settle_at:  # a checkpoint: the parked exchange runs blocking
+            st = tr.placement.settle(st)
+    return tr, jax.tree_util.tree_map(np.asarray, tr.placement.settle(st) if settle_end else st)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0"),
-    dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none"),           # τ > H/P: two fragments in flight
-    dict(layers_per_fragment=1, tau=3, alpha=0.5, codec="bf16", pattern="sequential"),
-    dict(layers_per_fragment=0, fragments=1, tau=1, alpha=0.0, codec="e3m0"),
-    dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="e3m0"),  # heterogeneous τ
-])
-def test_exchange_inside_the_next_inner_step_gives_the_blocking_numbers(kw):
-    """exchange=in_step (the send's exchange carried by the next inner step's program) is bit-identical
-    to the blocking send, also when a checkpoint forces a deferred exchange to run on its own."""
-    bs = batches(14)
-    cfg = lambda ex: tiny_config("streaming", H=4, steps=14, exchange=ex, **kw)
-    blocking, a = run_exchange(cfg("blocking"), bs)
-    in_step, b = run_exchange(cfg("in_step"), bs)
-    _, c = run_exchange(cfg("in_step"), bs, settle_at=(4, 5, 9))
-    assert (blocking.driver.exchange, in_step.driver.exchange) == ("blocking", "in_step")
-    assert any(k[0] == "step+send" for k in in_step.driver.programs())
-    assert not any(k[0] == "send" for k in in_step.driver.programs())  # no blocking send ran
-    for x, y, z in zip(leaves(a), leaves(b), leaves(c), strict=True):
-        np.testing.assert_array_equal(x, y)
-        np.testing.assert_array_equal(x, z)
+PLACEMENT_SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+from diloco.trainer import Trainer
+placement, kws = sys.argv[1], json.loads(sys.argv[2])
+d = jax.devices()
+rng = np.random.default_rng(0)
+bs = [rng.integers(2, 200, size=(8, 32), dtype=np.int32) for _ in range(10)]
+def run(kw, name, settle_at=()):
+    checks, now = [], [0]
+    cfg = tiny_config("streaming", H=4, steps=10, batch_size=8,
+                      exchange="blocking" if name == "comm_device" else name, **kw)
+    tr = Trainer(cfg, devices=d[:2], comm_devices=d[2:] if name == "comm_device" else None,
+                 check=lambda s, p, ts, f: checks.append((now[0], p, ts)))
+    assert tr.driver.exchange == name and tr.plan.exchange == name, (tr.driver.exchange, tr.plan.why)
+    st = tr.fresh_state()
+    for t, b in enumerate(bs, 1):
+        now[0] = t
+        st, _, _ = tr.placement.step(st, jax.device_put(b.reshape(2, 4, 32), tr.batch_sharding))
+        st, _ = tr.driver.after_step(st, t)
+        if t in settle_at:  # a checkpoint: nothing may stay in flight
+            st = tr.placement.settle(st)
+            assert tr.placement.in_flight() == []
+    st = tr.placement.settle(st)
+    return tr, [np.asarray(x) for x in jax.tree_util.tree_leaves(st)], checks
+for kw in kws:
+    _, ref, ref_checks = run(kw, "blocking")
+    assert len(ref_checks) >= 4 and all(t == ts for t, p, ts in ref_checks)  # blocking: checked at the send
+    for settle_at in ((4, 5, 9),) if placement == "blocking" else ((), (4, 5, 9)):
+        tr, got, checks = run(kw, placement, settle_at)
+        for x, y in zip(ref, got, strict=True):
+            np.testing.assert_array_equal(x, y)
+        # one check per send, in the same order, once its average landed (at or after the send)
+        assert [(p, ts) for _, p, ts in checks] == [(p, ts) for _, p, ts in ref_checks], (checks, ref_checks)
+        assert all(t >= ts for t, p, ts in checks)
+        kinds = {k[0] for k in tr.driver.programs()}
+        if placement == "in_step":
+            assert "step+send" in kinds and ("send" in kinds) == bool(settle_at)  # only a settle runs one
+            assert all(t == ts + 1 for t, p, ts in checks) or settle_at
+        if placement == "comm_device":
+            assert "send" not in kinds and (all(t > ts for t, p, ts in checks) or settle_at)
+    print("checked", kw, flush=True)
+print("OK")
+"""
 
 
-def test_in_step_programs_are_a_fixed_documented_set():
+@pytest.mark.parametrize("placement", ["blocking", "in_step", "comm_device"])
+def test_every_exchange_placement_gives_the_blocking_numbers(placement):
+    """Every placement of diloco/outer/placement.py (the optax pattern: one test over every
+    implementation) ends bit-identical to the blocking send, also when checkpoints settle it early
+    (nothing in flight after settle); the pending check runs once per send, in the send order, when
+    the average has landed: blocking at the send, in_step on the next step, comm_device later (at the
+    apply). 4 fake CPU devices: 2 compute (replicas on `replica`), 2 comm devices."""
+    kws = [dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0"),
+           dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none"),      # τ > H/P: two fragments in flight
+           dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="bf16", pattern="sequential")]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
+    r = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT, placement, json.dumps(kws)], capture_output=True,
+                       text=True, cwd=REPO, env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_comm_devices_the_mesh_cannot_use_fall_back_to_the_plans_placement(capsys):
+    """Comm devices that are also compute devices: the plan says why and the exchange is blocking."""
+    script = (
+        "import jax, sys; sys.path.insert(0, 'tests')\n"
+        "from conftest import tiny_config\nfrom diloco.trainer import Trainer\n"
+        "d = jax.devices()\n"
+        "tr = Trainer(tiny_config('streaming', tau=1, batch_size=8), devices=d[:2], comm_devices=d[1:3])\n"
+        "print(tr.driver.exchange, '|', tr.plan.why['exchange'])\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("blocking |") and "must not be compute devices" in r.stdout, r.stdout
+    assert "will not overlap the inner steps" in r.stderr
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_in_step_programs_are_a_fixed_documented_set(scan):
     """A 3-fragment Streaming run over 3·H steps (+1, which carries the last send's exchange) builds the
-    plain inner step, one inner step + exchange per fragment, and one update and one merge per
-    fragment: 3P + 1 = 10 programs, whatever t is."""
+    plain inner step and, per fragment layout, one inner step + exchange, one update and one merge.
+    Without nn.scan each fragment is its own layout: 3P + 1 = 10 programs; with nn.scan fragments 1 and
+    2 share theirs (their row start is an argument): 3·2 + 1 = 7. None recompiles as t advances."""
     H = 4
-    cfg = tiny_config("streaming", H=H, steps=3 * H + 1, exchange="in_step", layers_per_fragment=1, tau=1)
+    cfg = tiny_config("streaming", H=H, steps=3 * H + 1, exchange="in_step", layers_per_fragment=1, tau=1,
+                      **{"model.scan": scan})
     tr, _ = run_exchange(cfg, batches(3 * H + 1), settle_end=False)
-    P = tr.sync.frags.P
-    kinds = sorted(k[:2] for k in tr.driver.programs())
-    assert P == 3 and kinds == sorted([("merge", p) for p in range(P)] + [("step+send", p) for p in range(P)]
-                                       + [("update", p) for p in range(P)])
-    assert len(kinds) + 1 == 3 * P + 1  # + the plain inner step (the trainer's)
-    compiled = [tr.driver.step_program(None, p)._cache_size() for p in range(P)]  # no recompile as t advances
-    assert compiled == [1] * P
+    P, groups = tr.sync.frags.P, tr.sync.frags.groups()
+    assert P == 3 and groups == (((0,), (1, 2)) if scan else ((0,), (1,), (2,)))
+    kinds = sorted(k[0] for k in tr.driver.programs())
+    assert kinds == sorted(["merge", "step+send", "update"] * len(groups))
+    assert len(kinds) + 1 == 3 * len(groups) + 1  # + the plain inner step (the trainer's)
+    compiled = [tr.driver.step_program(None, g[0]).jitted._cache_size() for g in groups]
+    assert compiled == [1] * len(groups)  # every fragment of a layout ran, one compile each
 
 
 @pytest.mark.parametrize("rules, why", [
@@ -520,7 +536,7 @@ def specs(tr):
 tr = Trainer(tiny_config("streaming", batch_size=16), devices=jax.devices())
 st, sp = specs(tr)
 assert all(s[0] == "replica" and all(e is None for e in s[1:]) for s in sp.values()), sp
-assert all(x.sharding.is_equivalent_to(tr.rep_sharding, x.ndim) for x in jax.tree_util.tree_leaves(st.params))
+assert all(x.sharding.is_equivalent_to(tr.replica_sharding, x.ndim) for x in jax.tree_util.tree_leaves(st.params))
 tr = Trainer(tiny_config("streaming", batch_size=16, **{"mesh.data": 2, "mesh.fsdp": 2}), devices=jax.devices())
 st, sp = specs(tr)
 emb = [k for k in sp if k.endswith("embedding")][0]
@@ -536,9 +552,9 @@ tr = Trainer(tiny_config("streaming", batch_size=16, **{"mesh.data": 2, "mesh.fs
              devices=jax.devices())
 st, sp = specs(tr)
 assert sp[mlp_in] == ("replica", None, "fsdp"), sp[mlp_in]
-assert tr.logical_spec(("embed", "qkv"), (32, 7)) == ("fsdp", None)
-assert tr.logical_spec(("embed", "mlp"), (32, 7)) == (None, None)  # mlp's rule claims fsdp first; 7 does not split
-assert tr.logical_spec(("vocab", "embed"), (259, 31)) == (None, None)
+assert tr.layout.logical_spec(("embed", "qkv"), (32, 7)) == ("fsdp", None)
+assert tr.layout.logical_spec(("embed", "mlp"), (32, 7)) == (None, None)  # mlp's rule claims fsdp first; 7 does not split
+assert tr.layout.logical_spec(("vocab", "embed"), (259, 31)) == (None, None)
 moments = [x for x in jax.tree_util.tree_leaves(st.opt) if x.ndim == 3 and x.shape[1:] == (32, 128)]
 assert moments and all(tuple(x.sharding.spec) == ("replica", None, "fsdp") for x in moments), moments
 print("ok")

@@ -12,6 +12,7 @@ import numpy as np
 from diloco.compile.hlo import annotate_overlap, entry_flops, parse_collectives
 from diloco.compile.overlap import overlap_report
 from diloco.errors import ConfigError
+from diloco.outer.driver import group_name
 
 GiB = 1 << 30
 # HBM per chip (Cloud TPU system architecture pages): v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB.
@@ -59,7 +60,7 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
     """Lower and compile one program; its memory, FLOPs and collectives (hlo_dir: also write its
     scheduled HLO text there, as `diloco compile --hlo-dir` does)."""
     t0 = time.time()
-    lowered = jitted.lower(*args)
+    lowered = jitted.lower(*args) if not hasattr(jitted, "compile") else jitted  # or lowered already
     try:
         compiled = lowered.compile()
     except Exception as e:  # XLA's RESOURCE_EXHAUSTED: does not fit
@@ -90,9 +91,10 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
 
 def trainer_programs(tr) -> list[tuple]:
     """Every program a run of `tr` executes, as (name, jitted, abstract arguments), in the order
-    `compile_trainer` compiles them: `inner`; per fragment p `step+send p` (exchange=in_step: the send
-    after step t rides on step t+1's program), `send p` (the blocking exchange; with in_step, the
-    deferred send a checkpoint or the end of the run settles), `update p`, `merge p`; then `eval`."""
+    `compile_trainer` compiles them: `inner`; per fragment layout (`Fragments.groups`, named by its
+    fragments: `0`, `1-7`) `step+send` (exchange=in_step: the send after step t rides on step t+1's
+    program), `send` (the blocking exchange; with in_step, the deferred send a checkpoint or the end of
+    the run settles), `update`, `merge`; then `eval`."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -102,17 +104,18 @@ def trainer_programs(tr) -> list[tuple]:
     state = tr.abstract_state()
     L = cfg.seq_len
     batch = jax.ShapeDtypeStruct((tr.R, cfg.batch_size // tr.R, L), jnp.int32, sharding=tr.batch_sharding)
-    todo = [("inner", jax.jit(tr.inner_step(), donate_argnums=(0,)), (state, batch))]
+    todo = [("inner", jax.jit(tr.inner_step(jitted=False), donate_argnums=(0,)), (state, batch))]
     if tr.driver is not None:
         key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl)
         contrib = jax.ShapeDtypeStruct((tr.R,), jnp.float32, sharding=repl)
         mask = jax.ShapeDtypeStruct((tr.R,), jnp.bool_, sharding=repl)
-        for p in range(tr.driver.P):
-            if tr.driver.in_step:  # the send's exchange rides on the next inner step (OuterDriver.step_program)
-                todo.append((f"step+send {p}", tr.driver.step_program(tr.inner_step(), p), (state, batch, key, contrib)))
-            todo += [(f"send {p}", tr.driver.program("send", p), (state, key, contrib)),
-                     (f"update {p}", tr.driver.program("update", p), (state,)),
-                     (f"merge {p}", tr.driver.program("merge", p), (state, mask))]
+        for group in tr.sync.frags.groups():  # one program per fragment layout, shared by its fragments
+            p, g = group[0], group_name(group)
+            if tr.driver.exchange == "in_step":  # the send rides on the next inner step (OuterDriver.step_program)
+                todo.append((f"step+send {g}", tr.driver.step_program(tr.inner_step(jitted=False), p), (state, batch, key, contrib)))
+            todo += [(f"send {g}", tr.driver.program("send", p), (state, key, contrib)),
+                     (f"update {g}", tr.driver.program("update", p), (state,)),
+                     (f"merge {g}", tr.driver.program("merge", p), (state, mask))]
     eparams = state.outer.params if state.outer is not None else jax.tree_util.tree_map_with_path(
         lambda path, x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x, path)),
         state.params)
@@ -121,9 +124,11 @@ def trainer_programs(tr) -> list[tuple]:
     return todo
 
 
-def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | None = None, tr=None) -> dict:
+def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | None = None, tr=None,
+                    workers: int | None = None) -> dict:
     """Build the Trainer on `devices` (or take `tr`, built for `cfg`) and compile its programs (all,
-    or those named in `only`; each one's HLO text written under `hlo_dir` when given)."""
+    or those named in `only`; each one's HLO text written under `hlo_dir` when given), in parallel
+    (`compile_workers`); `compile` says how many programs, their summed and the wall seconds."""
     from diloco.trainer import Trainer
 
     tr = Trainer(cfg, devices=devices) if tr is None else tr
@@ -131,32 +136,60 @@ def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | N
     state = todo[0][2][0]
     state_bytes = per_chip_bytes(state)
     eval_param_bytes = per_chip_bytes(todo[-1][2][0])
-    out = []
-    for name, fn, args in todo:
-        if only is not None and name not in only:
-            continue
-        r = compile_one(name, fn, args, tr.mesh, hlo_dir)
+    todo = [t for t in todo if only is None or t[0] in only]
+    t0 = time.time()
+    out = compile_parallel(todo, lambda name, fn, args: compile_one(name, fn, args, tr.mesh, hlo_dir), workers)
+    wall = time.time() - t0
+    for r in out:
         if r["compiled"]:
             # programs run one after another while the whole state stays resident: eval's arguments
             # are only θᵍ, so the rest of the state is added to its peak.
-            resident = state_bytes - eval_param_bytes if name == "eval" else 0
+            resident = state_bytes - eval_param_bytes if r["program"] == "eval" else 0
             r["memory"]["resident_bytes"] = resident
             r["peak_bytes_per_chip"] = r["memory"]["peak_bytes"] + resident
-        out.append(r)
-    return {"trainer": tr, "state_bytes_per_chip": state_bytes, "programs": out}
+    return {"trainer": tr, "state_bytes_per_chip": state_bytes, "programs": out,
+            "compile": {"programs": len(out), "seconds_total": sum(r["compile_seconds"] for r in out),
+                        "seconds_wall": wall, "workers": compile_workers(workers, len(out)),
+                        "cpus": os.cpu_count()}}
+
+
+def compile_workers(workers: int | None, n: int) -> int:
+    """Threads compiling at once: `workers`, else $DILOCO_COMPILE_WORKERS, else this machine's cores."""
+    w = workers or int(os.environ.get("DILOCO_COMPILE_WORKERS", "0") or 0) or os.cpu_count() or 1
+    return max(1, min(w, n))
+
+
+def compile_parallel(todo: list[tuple], compile_fn, workers: int | None = None, log=None) -> list:
+    """`compile_fn(name, lowered, ())` for every program of `todo` = [(name, jitted, args)], lowered here
+    in order, compiled on a thread pool (XLA compiles outside the GIL); results in `todo`'s order;
+    `log(done, total, seconds)` after each one finishes."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    if not todo:
+        return []
+    t0 = time.time()
+    # Tracing and lowering are Python (one at a time, in order: flax and JAX trace state stay on this
+    # thread); XLA's compiles, the long part, run side by side.
+    lowered = [(name, fn.lower(*args), ()) for name, fn, args in todo]
+    with ThreadPoolExecutor(compile_workers(workers, len(todo)), thread_name_prefix="diloco-compile") as pool:
+        futs = {pool.submit(compile_fn, *t): i for i, t in enumerate(lowered)}
+        out: list = [None] * len(todo)
+        for done, f in enumerate(as_completed(futs), 1):
+            out[futs[f]] = f.result()
+            if log:
+                log(done, len(todo), time.time() - t0)
+    return out
 
 
 def eval_batch_sharding(tr):
-    """The eval batch's sharding (the Trainer's if it has one, else replicated)."""
-    return getattr(tr, "eval_batch_sharding", tr.repl_sharding)
+    """The eval batch's sharding (diloco/sharding.py Layout)."""
+    return tr.layout.eval_batch_sharding
 
 
 def eval_param_sharding(tr, x, path=None):
-    """DP's evaluated parameters (one replica's, no replica axis): laid out by the logical rules like θᵍ
-    (before 2026-11-30 the names were not passed, so they were compiled whole on every chip)."""
-    fn = getattr(tr, "outer_param_sharding", None)
-    names = tr.names_at(path) if path is not None and hasattr(tr, "names_at") else None
-    return fn(x.shape[1:], names) if fn else tr.repl_sharding
+    """DP's evaluated parameters (one replica's, no replica axis): laid out by the logical rules like θᵍ."""
+    names = tr.layout.names_at(path) if path is not None else None
+    return tr.layout.outer_param_sharding(x.shape[1:], names)
 
 
 def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hlo_dir: str | None = None) -> dict:
@@ -175,11 +208,14 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hl
     return {"topology": topology, "slices": slices, "chips": len(devices), "chip_kind": devices[0].device_kind,
             "chip_hbm_bytes": hbm, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
             "H": cfg.H, "tau": cfg.tau, "exchange": tr.driver.exchange if tr.driver is not None else "dp",
+            "resolved": tr.plan.to_json(),  # every `auto` as this compile resolved it (diloco/resolve.py)
             "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
             "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
             "model_flops_per_chip": (model_flops_per_step(cfg, tr.n_params) / len(devices)
                                      if tr.mcfg.scan else None),  # cost analysis undercounts a scan
             "fits": all(r["fits"] for r in progs), "programs": progs, "collectives": colls,
+            "compile": got["compile"],
+            "fragment_groups": [list(g) for g in tr.sync.frags.groups()] if tr.driver is not None else [],
             "bytes_per_replica": ({p: tr.driver.bytes_per_replica(p) for p in range(tr.driver.P)}
                                   if tr.driver is not None else {}),
             "wire_bytes_per_replica": ({p: tr.sync.wire_bytes_per_replica(p) for p in range(tr.driver.P)}
@@ -187,6 +223,10 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hl
             # chips of a replica that split each fragment's exchange (1: every chip moves all of it)
             "exchange_shards": ({p: tr.sync.shards(tr.sync.frags.sizes[p]) for p in range(tr.driver.P)}
                                 if tr.driver is not None else {})}
+
+
+def _group(g: list[int]) -> str:
+    return f"fragments {group_name(tuple(g))}" if len(g) > 1 else f"fragment {g[0]}"
 
 
 def _gb(n: float) -> str:
@@ -217,10 +257,20 @@ def text_report(rep: dict) -> str:
         lines.append(f"{r['program']:<10} {_gb(m['argument_bytes']):>10} {_gb(m['temp_bytes']):>10} "
                      f"{_gb(m['output_bytes']):>10} {_gb(r['peak_bytes_per_chip']):>10} {'yes' if r['fits'] else 'NO':>5} "
                      f"{r['compile_seconds']:>9.1f} {r['flops'] / 1e9:>10.2f}  {cs or '-'}")
+    c = rep.get("compile")
+    if c:
+        groups = rep.get("fragment_groups") or []
+        lines += ["", f"{c['programs']} distinct programs"
+                  + (f" for {sum(map(len, groups))} fragments (shared: {'; '.join(map(_group, groups))})" if groups else "")
+                  + f"; compile {c['seconds_total']:.1f} s summed, {c['seconds_wall']:.1f} s wall on "
+                  f"{c['workers']} threads ({c['cpus']} cores)"]
     ov = overlap_report(rep)
     if ov:
         lines += ["", ov]
     lines += ["", f"exchange {rep.get('exchange')}; LIBTPU_INIT_ARGS: {rep.get('libtpu_init_args') or '(none)'}"]
+    res = rep.get("resolved") or {}
+    lines += [f"resolved {k}: {res[k]}" + (f"  ({res['why'][k]})" if k in res.get("why", {}) else "")
+              for k in ("platform", "mesh", "attention", "remat", "scan", "exchange") if k in res]
     return "\n".join(lines)
 
 

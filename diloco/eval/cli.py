@@ -23,8 +23,8 @@ class LoadedRun(NamedTuple):
 
 def load_run(workdir: str | Path, params: str = "drained") -> LoadedRun:
     """A run's newest checkpoint, ready to score: by default θᵍ drained, whose sha256 is summary.json's
-    params_sha256 (diloco.trainer.load_eval_params)."""
-    from diloco.trainer import load_eval_params
+    params_sha256 (diloco.eval.runs.load_eval_params)."""
+    from diloco.eval.runs import load_eval_params
 
     cfg, model, p, vocab, about = load_eval_params(workdir, params)
     max_len = int(cfg.get("seq_len", 0) or model.cfg.max_seq_len)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from diloco.errors import ConfigError
 
-ATTENTION = ("xla", "dot_product", "splash", "auto")
+ATTENTION = ("xla", "dot_product", "cudnn", "splash")  # concrete only: `auto` is diloco/resolve.py's
 REMAT_POLICIES = ("none", "full", "save_dots")
 
 
@@ -40,7 +40,8 @@ class ModelConfig:
     scan: bool = False  # nn.scan over blocks: params stacked on a leading layer axis under "blocks"
     rope_base: float = 10_000.0
     remat_policy: str = "none"  # none | full (recompute every block) | save_dots (keep matmul outputs)
-    attention: str = "auto"  # xla (einsum + softmax) | dot_product (jax.nn.dot_product_attention) | splash | auto
+    attention: str = "xla"  # xla (einsum + softmax) | dot_product (jax.nn.dot_product_attention, XLA's) |
+    #                        cudnn (the same call, cuDNN's fused kernel: GPU, bf16/fp16) | splash (Pallas, TPU)
     platform: str = ""  # what the model is compiled for ("": JAX's default backend); splash runs its Pallas
     #                     kernel compiled on "tpu", interpreted elsewhere (CPU tests)
 
@@ -115,16 +116,6 @@ def target_platform(cfg: ModelConfig) -> str:
     return cfg.platform or jax.default_backend()
 
 
-def attention_impl(cfg: ModelConfig) -> str:
-    """The attention actually used. "auto": the Pallas splash kernel on TPU (no L×L scores in HBM),
-    jax.nn.dot_product_attention on GPU (cuDNN's fused kernel where dtype and shapes allow), the explicit
-    einsum + softmax elsewhere (on CPU the fused call costs ~15% more CPU time at toy scale,
-    benchmarks/bench_model.py)."""
-    if cfg.attention == "auto":
-        return {"tpu": "splash", "gpu": "dot_product"}.get(target_platform(cfg), "xla")
-    return cfg.attention
-
-
 SPLASH_BLOCK = 128  # splash tiles (query and key blocks); the sequence length must be a multiple
 
 
@@ -178,9 +169,10 @@ class Block(nn.Module):
         q, k = RMSNorm(name="q_norm", axis="head_dim")(q), RMSNorm(name="k_norm", axis="head_dim")(k)  # QK-norm
         q, k = apply_rope(q, sin_Lx1xK2, cos_Lx1xK2), apply_rope(k, sin_Lx1xK2, cos_Lx1xK2)
         q, k, v = (_constrain(t, ("batch", "length", "heads", "head_dim")) for t in (q, k, v))
-        impl = attention_impl(cfg)
-        if impl == "dot_product":
-            att_BxLxHxK = jax.nn.dot_product_attention(q, k, v, scale=K**-0.5, is_causal=True)
+        impl = cfg.attention  # concrete (diloco/resolve.py chose it for the platform)
+        if impl in ("dot_product", "cudnn"):
+            att_BxLxHxK = jax.nn.dot_product_attention(q, k, v, scale=K**-0.5, is_causal=True,
+                                                       implementation="cudnn" if impl == "cudnn" else None)
         elif impl == "splash" and not (self.is_initializing() and L % SPLASH_BLOCK):  # init traces 8 tokens
             att_BxLxHxK = splash_attention(q, k, v, interpret=target_platform(cfg) != "tpu")
         else:

@@ -1,32 +1,22 @@
 """The only code that turns the schedule into sends, outer updates and merges.
 
 After inner step t the loop calls `OuterDriver.after_step(state, t)`; in this order:
-  sends(t)          Δ → encode → exchange → FP32 average, into the pending slot of fragment p
-                    (blocking: one jitted program; overlapped: dispatched on the comm devices and
-                    landed at the apply, diloco/outer/overlap.py)
-  outer_updates(t)  Nesterov step of θᵍ_p with the pending average
+  sends(t)          Δ → encode → exchange → FP32 average, into the pending slot of fragment p,
+                    through the placement (`self.placement.send`: now, on step t+1's program, or
+                    on the comm devices; diloco/outer/placement.py)
+  outer_updates(t)  the placement lands fragment p's average, then the Nesterov step of θᵍ_p with it
   merges(t)         θ_m,p ← α·θ_m,p + (1−α)·θᵍ_p on the replicas whose τ_m has elapsed
 
-Where a send's exchange runs (`exchange`):
-  blocking     its own program, right after step t (the loop waits for it)
-  comm_device  on a second device per process, landed at the apply (CPU overlap, overlap.py)
-  in_step      inside the program of inner step t+1: Δ is taken from that program's input (the
-               state after step t, exactly what the blocking send sees), encoded, exchanged and
-               averaged beside the forward/backward, which does not depend on it (an optimization
-               barrier keeps XLA from fusing Δ into the step: results/pod/overlap.md), so XLA's
-               latency-hiding scheduler can put the step's compute under the collective (TPU/GPU;
-               one program at a time runs on a chip). Needs τ ≥ 1: the average is in its pending
-               slot when step t+1 ends, at or before the apply at t+τ. The whole exchange rides on
-               the first step after the send (the schedule never sends two fragments at one step,
-               P ≤ H), so the inner-step programs are the plain step plus one per fragment: P+1,
-               with P update and P merge programs, 3P+1 in all, none recompiled as t advances.
+With the in-step placement the whole exchange rides on the first step after the send (the schedule
+never sends two fragments at one step, P ≤ H), so the inner-step programs are the plain step plus one
+per fragment layout, with one update and one merge program per layout, none recompiled as t advances.
 
-The math is `OuterSync`'s (diloco/outer/sync.py); this module only schedules and places it.
-`state` is the trainer's TrainState (fields `params`, `outer`, …; `replace` makes a new one).
+The math is `OuterSync`'s (diloco/outer/sync.py); this module only schedules it, its placement places
+it. `state` is the trainer's TrainState (fields `params`, `outer`, …; `replace` makes a new one).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,41 +24,44 @@ import numpy as np
 
 from diloco.distributed import aligned_jit
 from diloco.faults import NumericalFault
+from diloco.outer.placement import PLACEMENTS, Check
 from diloco.outer.schedule import Schedule
 from diloco.outer.sync import OuterSync
 
-# check(state, p, t_send, finite_R): called once fragment p's average is in its pending slot.
-Check = Callable[[Any, int, int, Any], None]
-
-
-EXCHANGES = ("auto", "blocking", "in_step")
-
-
-class Deferred(NamedTuple):
-    """A send after step t whose exchange rides on the next inner step's program (exchange=in_step)."""
-    p: int
-    t: int
-    key: Any
-    contrib_R: Any
-    finite_R: Any
-
 
 class OuterDriver:
-    def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, overlap=None,
-                 constrain: Callable[[Any], Any] | None = None, in_step: bool = False):
-        self.sync, self.schedule, self.R, self.overlap = sync, schedule, R, overlap
+    def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, placement: str = "blocking",
+                 overlap=None, constrain: Callable[[Any], Any] | None = None,
+                 pin_flat: Callable[[Any], Any] | None = None, inner_step: Callable | None = None,
+                 check: Check | None = None):
+        """`placement`: where each send's exchange runs (diloco/outer/placement.py; `comm_device` takes
+        the `overlap` exchange); `inner_step(active, jitted=True)`: the trainer's inner step; `check`:
+        the pending check, called once per send when its average has landed."""
+        if placement == "in_step" and schedule.tau_min < 1:
+            raise ValueError("the in_step placement needs tau ≥ 1 (the average lands on the next step)")
+        self.sync, self.schedule, self.R = sync, schedule, R
         self.constrain = constrain or (lambda state: state)  # pins each program's output to the state's layout
-        self.in_step = in_step and overlap is None and schedule.tau_min >= 1
-        self.deferred: Deferred | None = None
+        self.pin_flat = pin_flat or (lambda x: x)            # the same for a fragment's averaged Δ
+        kw = {"overlap": overlap} if placement == "comm_device" else {}
+        self.placement = PLACEMENTS[placement](self, inner_step, check, **kw)
         self.base_key = jax.random.PRNGKey(seed + 1)
         self._jit: dict[tuple, Any] = {}
 
     @property
     def exchange(self) -> str:
-        return "comm_device" if self.overlap is not None else "in_step" if self.in_step else "blocking"
+        """The placement's name: blocking | in_step | comm_device."""
+        return self.placement.name
+
+    @property
+    def check(self) -> Check | None:
+        return self.placement.check
+
+    @property
+    def overlap(self):
+        return getattr(self.placement, "overlap", None)
 
     def programs(self) -> list[tuple]:
-        """Keys of the programs built so far: (kind, fragment, …)."""
+        """Keys of the programs built so far: (kind, fragment layout, …): one per layout, not per fragment."""
         return sorted(self._jit, key=str)
 
     @property
@@ -78,103 +71,87 @@ class OuterDriver:
     def bytes_per_replica(self, p: int) -> int:
         return self.sync.bytes_per_replica(p)
 
-    # -- one jitted program per (operation, fragment): 3·P programs, compiled on first use ----------
-    def program(self, kind: str, p: int, donate: bool = True):
-        """`donate=False`: the state passed in stays valid (drained copies for evaluation)."""
-        if (kind, p, donate) not in self._jit:
-            sync = self.sync
-            if kind == "send":
-                def f(state, key, contrib_R):
-                    return state.replace(outer=sync.send(state.params, state.outer, p, key, contrib_R))
-            elif kind == "update":
-                def f(state):
-                    return state.replace(outer=sync.update(state.outer, p))
+    # -- one jitted program per (operation, fragment layout), compiled once for all its fragments ---
+    def program(self, kind: str, p: int, donate: bool = True) -> "FragmentProgram":
+        """Fragment p's `send` / `update` / `merge`: (state, …) → state. The jitted program is shared by
+        every fragment of p's layout (`Fragments.groups`: fragments 1…P−1 of the paper's runs): it
+        takes p's row starts as an argument, so P fragments compile 1 + (1 when the embeddings' fragment
+        differs) programs per kind, not P. `donate=False`: the state passed in stays valid (drained
+        copies for evaluation)."""
+        layout = self.sync.frags.layout(p)
+        k = (kind, layout, donate)
+        if k not in self._jit:
+            sync, rep = self.sync, p  # traced for the first fragment asked for; the others pass their starts
+            if kind == "send":  # → the averaged Δ (n_p,); reads the state, writes nothing of it
+                def f(state, starts, key, contrib_R):
+                    return self.pin_flat(sync.average(sync.delta(state.params, state.outer, rep, starts), key,
+                                                      contrib_R))
+                donate_argnums = ()
+            elif kind == "update":  # the state without pending, fragment p's optax state as its only opt
+                def f(state1, pending_n, starts):
+                    params, opt_p = sync.outer_step(state1.outer.params, state1.outer.opt[0], pending_n, rep, starts)
+                    return self.constrain(state1.replace(outer=state1.outer.replace(params=params, opt=(opt_p,))))
+                donate_argnums = (0,) if donate else ()
             elif kind == "merge":
-                def f(state, mask_R):
-                    return state.replace(params=sync.merge(state.params, state.outer, p, mask_R))
+                def f(state, starts, mask_R):
+                    return self.constrain(state.replace(params=sync.merge(state.params, state.outer, rep, mask_R,
+                                                                          starts)))
+                donate_argnums = (0,) if donate else ()
             else:
                 raise ValueError(f"unknown outer operation {kind!r}")
-            self._jit[(kind, p, donate)] = aligned_jit(lambda *a, _f=f: self.constrain(_f(*a)), f"{kind}-{p}",
-                                                       donate_argnums=(0,) if donate else ())
-        return self._jit[(kind, p, donate)]
+            group = next(g for g in sync.frags.groups() if p in g)
+            self._jit[k] = aligned_jit(f, f"{kind}-{group_name(group)}", donate_argnums=donate_argnums)
+        return FragmentProgram(kind, p, self._jit[k], self.sync)
 
-    def step_program(self, step: Callable, p: int, variant: Any = None):
+    def step_program(self, step: Callable, p: int, variant: Any = None) -> "FragmentProgram":
         """Inner step + fragment p's exchange in one program: (state, tokens, key, contrib_R, *poison)
-        → (state with pending[p] filled, ce_R, finite_R). `step` is the trainer's un-jitted inner step."""
-        if ("step+send", p, variant) not in self._jit:
-            sync = self.sync
+        → (state with pending[p] filled, ce_R, finite_R). `step` is the trainer's un-jitted inner step.
+        Shared by the fragments of p's layout, like `program`."""
+        k = ("step+send", self.sync.frags.layout(p), variant)
+        if k not in self._jit:
+            sync, rep = self.sync, p
 
-            def f(state, tokens, key, contrib_R, *poison):
-                delta_Rxn = sync.delta(state.params, state.outer, p)  # Δ from the step's input
+            def f(state, tokens, starts, key, contrib_R, *poison):
+                delta_Rxn = sync.delta(state.params, state.outer, rep, starts)  # Δ from the step's input
                 # The barrier makes Δ a value the step cannot reach into: without it XLA fused Δ's
                 # reads of the parameters with the forward pass's (a multi-output fusion with the
                 # last matmul), so the exchange waited for the whole forward/backward (seen on TPU
                 # with nn.scan). Identity on values: the numbers do not change.
                 delta_Rxn, state = jax.lax.optimization_barrier((delta_Rxn, state))
-                outer = sync.send_delta(delta_Rxn, state.outer, p, key, contrib_R)
+                avg_n = self.pin_flat(sync.average(delta_Rxn, key, contrib_R))
                 new, ce_R, fin_R = step(state, tokens, *poison)
-                return self.constrain(new.replace(outer=outer)), ce_R, fin_R
+                return self.constrain(new), avg_n, ce_R, fin_R
 
-            self._jit[("step+send", p, variant)] = aligned_jit(f, f"step+send-{p}", donate_argnums=(0,))
-        return self._jit[("step+send", p, variant)]
-
-    def inner_step(self, state, tokens, step_fn, step: Callable, variant: Any = None, poison: tuple = (),
-                   check: "Check | None" = None):
-        """Run one inner step (`step_fn`, jitted), carrying the deferred exchange if there is one."""
-        d, self.deferred = self.deferred, None
-        if d is None:
-            return step_fn(state, tokens, *poison)
-        state, ce_R, fin_R = self.step_program(step, d.p, variant)(state, tokens, d.key, d.contrib_R, *poison)
-        if check:
-            check(state, d.p, d.t, d.finite_R)
-        return state, ce_R, fin_R
+            group = next(g for g in self.sync.frags.groups() if p in g)
+            self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0,))
+        return FragmentProgram("step+send", p, self._jit[k], self.sync)
 
     def key(self, t: int, p: int):
         return jax.random.fold_in(jax.random.fold_in(self.base_key, t), p)
 
     # -- the schedule ------------------------------------------------------------------------------
-    def after_step(self, state, t: int, contrib: Callable[[int, int], np.ndarray] | None = None,
-                   check: Check | None = None) -> tuple[Any, list[tuple[int, int]]]:
+    def after_step(self, state, t: int, contrib: Callable[[int, int], np.ndarray] | None = None
+                   ) -> tuple[Any, list[tuple[int, int]]]:
         """Everything the schedule says happens after inner step t: (state, [(p, bytes sent)])."""
         sent = []
         sends = self.schedule.sends(t)
-        finite_R = replica_finite(state.params) if sends and check else None  # culprit, pre-merge
+        finite_R = replica_finite(state.params) if sends and self.check else None  # culprit, pre-merge
         for p in sends:
             c = np.ones(self.R, np.float32) if contrib is None else np.asarray(contrib(t, p), np.float32)
-            k = self.key(t, p)
-            if self.overlap is not None:
-                self.overlap.send(state, p, k, jnp.asarray(c), t, finite_R)
-            elif self.in_step:  # exchanged by the next inner step's program
-                self.deferred = Deferred(p, t, k, jnp.asarray(c), finite_R)
-            else:
-                state = self.program("send", p)(state, k, jnp.asarray(c))
-                if check:
-                    check(state, p, t, finite_R)
+            state = self.placement.send(state, p, t, self.key(t, p), jnp.asarray(c), finite_R)
             sent.append((p, int(self.bytes_per_replica(p) * (c > 0).sum())))
         for p in self.schedule.outer_updates(t):
-            state = self.land(state, p, t, check)
+            state = self.placement.land(state, p, t)
             state = self.program("update", p)(state)
         for p, mask in self.schedule.merges(t):
             state = self.program("merge", p)(state, jnp.asarray(mask))
         return state, sent
 
-    def land(self, state, p: int, t: int | None = None, check: Check | None = None):
-        """Fragment p's overlapped exchange, if in flight, into its pending slot."""
-        if self.overlap is None:
-            return state
-        avg, rec = self.overlap.land(p, t)
-        if rec is None:
-            return state
-        state = state.replace(outer=self.sync.with_pending(state.outer, p, avg))
-        if check:
-            check(state, p, rec.step, rec.finite_R)
-        return state
-
-    def drained(self, state, t: int, check: Check | None = None) -> tuple[Any, Any, list[int]]:
+    def drained(self, state, t: int) -> tuple[Any, Any, list[int]]:
         """(state with in-flight exchanges landed, a copy as it will be once every fragment in flight
         after step t is applied — outer step and merges —, those fragments). The first is the run's
         state; the copy is for evaluation (θᵍ at the next sync boundary) and is never trained on."""
-        state = self.settle(state, check)
+        state = self.placement.settle(state)
         out, drained = state, []
         for p, update, mask in self.schedule.in_flight(t):
             if update:
@@ -184,17 +161,50 @@ class OuterDriver:
             drained.append(p)
         return state, out, drained
 
-    def settle(self, state, check: Check | None = None):
-        """Land every exchange still in flight (before a checkpoint or the end of the run); a send
-        deferred to the next inner step is exchanged now, by the blocking program (same numbers)."""
-        if self.deferred is not None:
-            d, self.deferred = self.deferred, None
-            state = self.program("send", d.p)(state, d.key, d.contrib_R)
-            if check:
-                check(state, d.p, d.t, d.finite_R)
-        for p in sorted(self.overlap.inflight if self.overlap is not None else ()):
-            state = self.land(state, p, None, check)
-        return state
+
+class FragmentProgram:
+    """Fragment p's view of a program shared by its layout: called (and lowered, for `diloco compile`)
+    with the whole state, it passes p's row starts and p's own slots of the outer state to the shared
+    jitted program and writes its results back into p's slots. Only tuples are rearranged here."""
+
+    def __init__(self, kind: str, p: int, jitted, sync: OuterSync):
+        self.kind, self.p, self.jitted, self.sync = kind, p, jitted, sync
+        self.starts = np.asarray(sync.frags.starts(p))
+
+    def args(self, state, *rest) -> tuple:
+        """The shared program's arguments for fragment p."""
+        if self.kind == "update":  # the state without pending, with p's optax state as its only opt
+            outer = state.outer
+            return (state.replace(outer=outer.replace(opt=(outer.opt[self.p],), pending=())),
+                    outer.pending[self.p], self.starts)
+        if self.kind == "step+send":
+            tokens, *rest = rest
+            return (state, tokens, self.starts, *rest)
+        return (state, self.starts, *rest)
+
+    def __call__(self, state, *rest):
+        out = self.jitted(*self.args(state, *rest))
+        p = self.p
+        if self.kind == "send":
+            return state.replace(outer=self.sync.with_pending(state.outer, p, out))
+        if self.kind == "update":
+            outer = state.outer
+            return out.replace(outer=out.outer.replace(opt=outer.opt[:p] + out.outer.opt + outer.opt[p + 1:],
+                                                       pending=outer.pending))
+        if self.kind == "step+send":
+            new, avg_n, ce_R, fin_R = out
+            return new.replace(outer=self.sync.with_pending(new.outer, p, avg_n)), ce_R, fin_R
+        return out
+
+    def lower(self, state, *rest):
+        return self.jitted.lower(*self.args(state, *rest))
+
+
+def group_name(group: tuple[int, ...]) -> str:
+    """Fragments sharing a program, as a name: `3`, `1-7`, `0,2`."""
+    if len(group) > 1 and list(group) == list(range(group[0], group[-1] + 1)):
+        return f"{group[0]}-{group[-1]}"
+    return ",".join(map(str, group))
 
 
 @jax.jit

@@ -21,7 +21,8 @@ import numpy as np
 
 from diloco.distributed import aligned_jit
 from diloco.outer import eager_sync
-from diloco.outer.driver import Check, OuterDriver, replica_finite
+from diloco.outer.driver import OuterDriver, replica_finite
+from diloco.outer.placement import Check
 
 
 def wanted(cfg) -> bool:
@@ -31,8 +32,10 @@ def wanted(cfg) -> bool:
 
 class EagerDriver(OuterDriver):
     def __init__(self, sync, schedule, R: int, seed: int, mode: str = "off",
-                 constrain: Callable[[Any], Any] | None = None):
-        super().__init__(sync, schedule, R, seed, overlap=None, constrain=constrain, in_step=False)
+                 constrain: Callable[[Any], Any] | None = None, inner_step: Callable | None = None,
+                 check: Check | None = None):
+        super().__init__(sync, schedule, R, seed, "blocking", constrain=constrain, inner_step=inner_step,
+                         check=check)
         self.mode = mode
         self._own: dict[tuple, Any] = {}
 
@@ -60,17 +63,16 @@ class EagerDriver(OuterDriver):
     def programs(self) -> list[tuple]:
         return sorted([*self._jit, *self._own], key=str)
 
-    def after_step(self, state, t: int, contrib: Callable[[int, int], np.ndarray] | None = None,
-                   check: Check | None = None) -> tuple[Any, list[tuple[int, int]]]:
+    def after_step(self, state, t: int, contrib: Callable[[int, int], np.ndarray] | None = None
+                   ) -> tuple[Any, list[tuple[int, int]]]:
         sent = []
         sends = self.schedule.sends(t)
-        finite_R = replica_finite(state.params) if sends and check else None
+        finite_R = replica_finite(state.params) if sends and self.check else None
         kind = "feedback_send" if self.mode == "off" else "eager_round"
         for p in sends:
             c = np.ones(self.R, np.float32) if contrib is None else np.asarray(contrib(t, p), np.float32)
             state = self.own_program(kind, p)(state, self.key(t, p), jnp.asarray(c))
-            if check:
-                check(state, p, t, finite_R)
+            self.placement.checked(state, p, t, finite_R)
             sent.append((p, int(self.bytes_per_replica(p) * (c > 0).sum())))
         if self.mode == "off":
             for p in self.schedule.outer_updates(t):

@@ -71,8 +71,8 @@ class OverlappedExchange:
         self.comm_of = dict(zip(replica_rows(mesh), comm_devices))  # compute device of a row → its comm device
         self.comm_mesh = Mesh(np.array(list(comm_devices)), ("replica",))
         self.xsync = dataclasses.replace(sync, mesh=self.comm_mesh)
-        self.rep = NamedSharding(mesh, P("replica"))
-        self.repl = NamedSharding(mesh, P())
+        self.replica_sharding = NamedSharding(mesh, P("replica"))
+        self.replicated_sharding = NamedSharding(mesh, P())
         self.comm_rep = NamedSharding(self.comm_mesh, P("replica"))
         self.inflight: dict[int, InFlight] = {}
         self._prep: dict[int, Any] = {}
@@ -87,7 +87,7 @@ class OverlappedExchange:
                 delta = sync.delta(params_R, outer, p)
                 return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
 
-            self._prep[p] = jax.jit(prep, out_shardings=(self.rep, self.rep, self.rep))
+            self._prep[p] = jax.jit(prep, out_shardings=(self.replica_sharding,) * 3)
         return self._prep[p]
 
     def _to_comm(self, x):
@@ -125,8 +125,8 @@ class OverlappedExchange:
         waited = time.perf_counter() - t0
         if self.timeline is not None:
             self.timeline.add("apply_wait", step=t if t is not None else rec.step, fragment=p, waited_s=waited)
-        bufs = [jax.device_put(local, d) for d in self.repl.addressable_devices]
-        return jax.make_array_from_single_device_arrays(local.shape, self.repl, bufs), rec
+        bufs = [jax.device_put(local, d) for d in self.replicated_sharding.addressable_devices]
+        return jax.make_array_from_single_device_arrays(local.shape, self.replicated_sharding, bufs), rec
 
 
 class Timeline:

@@ -163,7 +163,7 @@ def which_params_eval(workdir: str) -> dict:
     from diloco.data import eval_batches
     from diloco.outer.sync import params_sha256
     from diloco.rundir import atomic_write_json
-    from diloco.trainer import load_run
+    from diloco.eval.runs import load_run
 
     cfg, tr, state = load_run(wd)
     _, state, drained = tr.drained(state, int(state.step))  # as at the next sync boundary, like final_eval_loss
@@ -187,7 +187,7 @@ def eval_noise(workdirs: list[str], batches: int = 128) -> pd.DataFrame:
     difference (what a gap between two rows carries from the eval set alone), beside the change of the
     mean itself from n to `batches` batches."""
     from diloco.data import eval_batches
-    from diloco.trainer import load_run
+    from diloco.eval.runs import load_run
 
     per = []
     for wd in workdirs:

@@ -1,0 +1,196 @@
+"""One plan of every choice a run's config leaves to `auto`, resolved once from the config and the
+devices: the platform, the mesh, attention, rematerialisation, nn.scan and the exchange placement.
+
+    plan = resolve(cfg, devices, comm_devices)   # nothing compiled, nothing allocated
+    plan.to_json()                               # summary.json["resolved"], printed by `diloco compile`
+
+The Trainer builds its mesh, model and outer placement from the plan only (the model never sees
+"auto"); `diloco sweep` compares a finished run's recorded plan with the plan its point resolves to
+now (a run is stale when they differ). Each choice carries the reason it was made (`why`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from diloco.config import mesh_shape
+from diloco.model.scales import SCALES, TOY_SCALES, formula_params
+from diloco.model.transformer import SPLASH_BLOCK
+
+# cuDNN's fused attention (jax.nn.dot_product_attention(implementation="cudnn")): half-precision
+# inputs, a head dimension that is a multiple of 8 up to 128 (jax checks the same and raises otherwise).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    platform: str                 # "cpu" | "gpu" | "tpu": what the programs compile for
+    devices: int                  # compute devices of the mesh
+    mesh: tuple[int, int, int]    # (replica, data, fsdp)
+    attention: str                # xla | dot_product | cudnn | splash
+    remat: str                    # none | full | save_dots
+    scan: bool                    # nn.scan over the blocks
+    exchange: str                 # none (dp) | blocking | in_step | comm_device
+    why: dict = dataclasses.field(default_factory=dict, compare=False)  # choice → the reason, in words
+
+    def to_json(self) -> dict[str, Any]:
+        return {"platform": self.platform, "devices": self.devices,
+                "mesh": dict(zip(("replica", "data", "fsdp"), self.mesh)), "attention": self.attention,
+                "remat": self.remat, "scan": self.scan, "exchange": self.exchange, "why": dict(self.why)}
+
+    def lines(self) -> list[str]:
+        """The plan as `diloco compile` prints it: one choice a line, with its reason."""
+        j = self.to_json()
+        return [f"resolved {k}: {j[k]}" + (f"  ({self.why[k]})" if k in self.why else "")
+                for k in ("platform", "mesh", "attention", "remat", "scan", "exchange")]
+
+
+def head_dim(cfg) -> int:
+    s = SCALES[cfg.scale]
+    return s.d_model // s.heads
+
+
+def attention(cfg, platform: str) -> tuple[str, str]:
+    """(`model.attention` resolved, why). auto: the Pallas splash kernel on TPU when the sequence is whole
+    128-token tiles; on GPU cuDNN's fused kernel when dtype and head size allow, else XLA's einsum +
+    softmax; XLA's on CPU (the fused jax call costs ~15% more CPU time at toy scale, benchmarks/)."""
+    want = cfg.model.attention
+    if want != "auto":
+        return want, "set in the config"
+    if platform == "tpu":
+        if cfg.seq_len % SPLASH_BLOCK == 0:
+            return "splash", f"TPU, seq_len {cfg.seq_len} is whole {SPLASH_BLOCK}-token tiles"
+        return "xla", f"TPU, but seq_len {cfg.seq_len} is not a multiple of splash's {SPLASH_BLOCK}-token tile"
+    if platform == "gpu":
+        K, dt = head_dim(cfg), cfg.model.dtype
+        if dt not in CUDNN_DTYPES:
+            return "xla", f"GPU, but cuDNN's fused attention needs {' or '.join(CUDNN_DTYPES)} (model.dtype={dt})"
+        if K % 8 or K > CUDNN_MAX_HEAD_DIM:
+            return "xla", f"GPU, but cuDNN's fused attention needs a head dim ≤ {CUDNN_MAX_HEAD_DIM}, a multiple of 8 (got {K})"
+        return "cudnn", f"GPU, {dt}, head dim {K}: cuDNN's fused kernel"
+    return "xla", f"{platform}: einsum + softmax"
+
+
+def remat(cfg, platform: str) -> tuple[str, str]:
+    """(`model.remat_policy` resolved, why): nothing on CPU or at the toy scales (memory is not the limit
+    there); on accelerators every block recomputed from 1B up (activations dominate a chip's memory,
+    docs/distributed.md), the matmul outputs kept below it."""
+    want = cfg.model.remat_policy
+    if want != "auto":
+        return want, "set in the config"
+    if cfg.model.remat:
+        return "full", "model.remat=true"
+    if platform == "cpu" or cfg.scale in TOY_SCALES:
+        return "none", "CPU or a toy scale: memory is not the limit"
+    if formula_params(cfg.scale) >= 1e9:
+        return "full", f"{platform}, {cfg.scale} ≥ 1B parameters: recompute every block"
+    return "save_dots", f"{platform}, {cfg.scale} < 1B parameters: keep the matmul outputs"
+
+
+def scan(cfg) -> tuple[bool, str]:
+    """(`model.scan` resolved, why): the paper's scales stack their blocks under nn.scan (one compiled
+    block: a 4B compile takes a minute, not an hour; FSDP gathers one layer at a time); the toy scales
+    keep one module per block (their committed results and hashes)."""
+    want = str(cfg.model.scan).lower()
+    if want != "auto":
+        return want in ("true", "1"), "set in the config"
+    if cfg.scale in TOY_SCALES:
+        return False, "toy scale: one module per block"
+    return True, "paper scale: one compiled block under nn.scan"
+
+
+def exchange(cfg, platform: str, mesh=None, comm_devices=None) -> tuple[str, str]:
+    """(where each send's exchange runs, why): `none` for DP; a comm device per process when one is
+    given and the mesh can use it (diloco/outer/overlap.py); else `in_step` (inside the next inner
+    step's program) when asked, or by `auto` on TPU/GPU, and τ ≥ 1; else `blocking` (its own program)."""
+    from diloco.outer import eager_driver
+    from diloco.outer.overlap import overlap_unsupported
+    from diloco.outer.schedule import make_schedule
+
+    if cfg.method == "dp":
+        return "none", "data-parallel: gradients are reduced inside every step"
+    if eager_driver.wanted(cfg):
+        return "blocking", "eager updates / error feedback send in their own programs"
+    why_not = ""
+    if comm_devices:
+        why_not = overlap_unsupported(mesh, comm_devices) if mesh is not None else "no mesh"
+        if not why_not:
+            return "comm_device", "a comm device per process (diloco launch --comm_device)"
+        why_not = f"the comm devices cannot serve this mesh: {why_not}; "
+    from diloco.outer.methods import num_fragments
+
+    P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
+    tau_min = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau).tau_min
+    asked = cfg.exchange == "in_step" or (cfg.exchange == "auto" and platform in ("tpu", "gpu"))
+    if asked and tau_min >= 1:
+        return "in_step", why_not + ("set in the config" if cfg.exchange == "in_step"
+                                     else f"{platform}, τ ≥ 1: the exchange rides on the next step")
+    if asked:
+        return "blocking", why_not + "τ = 0: the average is applied right after the send"
+    return "blocking", why_not + ("set in the config" if cfg.exchange == "blocking" else f"{platform}: its own program")
+
+
+def resolve(cfg, devices, comm_devices=None) -> Plan:
+    """The plan of a run of `cfg` on `devices` (the mesh's compute devices), with `comm_devices` (one
+    per process, or None)."""
+    from jax.sharding import Mesh
+
+    from diloco.distributed import device_grid
+
+    devices = list(devices)
+    platform = devices[0].platform
+    shape = mesh_shape(cfg, len(devices))
+    mesh = Mesh(device_grid(devices, shape), ("replica", "data", "fsdp")) if comm_devices else None
+    att, att_why = attention(cfg, platform)
+    rem, rem_why = remat(cfg, platform)
+    sc, sc_why = scan(cfg)
+    ex, ex_why = exchange(cfg, platform, mesh, comm_devices)
+    mesh_why = ("mesh.* set" if int(cfg.mesh.get("fsdp", 1)) != 0 else
+                "fsdp auto: " + ("every device on data (toy scale)" if cfg.scale in TOY_SCALES
+                                 else "FSDP over every device of a replica"))
+    return Plan(platform=platform, devices=len(devices), mesh=tuple(int(x) for x in shape),
+                attention=att, remat=rem, scan=sc, exchange=ex,
+                why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why})
+
+
+# The config fields the plan resolves: `diloco sweep` compares the plans, not these fields' text.
+PLANNED_FIELDS = ("model.attention", "model.remat_policy", "model.remat", "model.scan", "exchange",
+                  "mesh.replica_axis", "mesh.data", "mesh.fsdp")
+
+
+def choices(cfg, platform: str, n_devices: int) -> dict[str, Any]:
+    """The plan's choices (what `Plan.to_json` records) a config resolves to on `n_devices` of
+    `platform`, without devices at hand (no comm devices: the exchange as without them)."""
+    return {"mesh": dict(zip(("replica", "data", "fsdp"), (int(x) for x in mesh_shape(cfg, n_devices)))),
+            "attention": attention(cfg, platform)[0], "remat": remat(cfg, platform)[0], "scan": scan(cfg)[0],
+            "exchange": exchange(cfg, platform)[0]}
+
+
+def stale_choices(recorded: dict, cfg) -> list[str]:
+    """The choices of a run's recorded plan (summary.json "resolved") that `cfg` resolves differently
+    now, on the platform and device count the run had: ["resolved.attention", …]; [] when they agree or
+    the record cannot be compared. A recorded comm-device exchange is not compared (it depends on the
+    launch, not the config)."""
+    try:
+        now = choices(cfg, recorded["platform"], int(recorded["devices"]))
+    except Exception:  # an older or foreign record, or a config this device count refuses
+        return []
+    return sorted(f"resolved.{k}" for k, v in now.items()
+                  if k in recorded and recorded[k] != v and not (k == "exchange" and recorded[k] == "comm_device"))
+
+
+def stale_against_record(stale: list[str], summary_path, load_cfg) -> list[str]:
+    """`diloco sweep`'s stale fields of a finished run, with its recorded plan (summary.json "resolved")
+    in place of the config fields the plan resolves: `stale` less PLANNED_FIELDS, plus the plan's
+    choices `load_cfg()` now resolves differently. Without a recorded plan, `stale` as it is."""
+    import json
+    from pathlib import Path
+
+    try:
+        plan = json.loads(Path(summary_path).read_text()).get("resolved")
+    except (OSError, ValueError, AttributeError):
+        plan = None
+    if not plan:
+        return stale
+    return sorted([k for k in stale if k not in PLANNED_FIELDS] + stale_choices(plan, load_cfg()))
