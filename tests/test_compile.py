@@ -122,7 +122,7 @@ def test_fsdp_by_the_rules_shrinks_per_chip_state():
     st = tr.abstract_state()
     # by hand: a leaf with an 'embed' dim of 32 is split 4 ways; q/k norms (head_dim) and the step are not
     repl = sum(int(np.prod(x.shape)) * x.dtype.itemsize for p, x in jax.tree_util.tree_flatten_with_path(st)[0]
-               if x.ndim == 0 or tr.names_at(p) is None or "embed" not in tr.names_at(p))
+               if x.ndim == 0 or tr.layout.names_at(p) is None or "embed" not in tr.layout.names_at(p))
     assert repl < whole / 10
     assert C.per_chip_bytes(st) == (whole - repl) // 4 + repl
     off = Trainer(tiny_config("dp", batch_size=8, **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.rules": "batch=fsdp"}),
