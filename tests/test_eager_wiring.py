@@ -1,5 +1,4 @@
 """Eager updates and error feedback in `diloco train`: same numbers when off, resume, bytes, evaluation θ."""
-import json
 import shutil
 
 import jax
