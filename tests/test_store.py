@@ -352,3 +352,24 @@ def test_tokens_of_a_corpus_spec_is_prepared_into_the_local_cache_once(corpus, s
     monkeypatch.setenv("DILOCO_CACHE", "none")
     with pytest.raises(ConfigError, match="DILOCO_CACHE=none"):
         store.resolve(data, "byte")
+
+
+def test_retokenizing_another_corpus_into_a_store_unpublishes_it_until_done(corpus, tmp_path, monkeypatch):
+    """Another corpus tokenized into an existing store's path: the old manifest goes before the first part
+    changes, so a reader never sees the old manifest over new parts; a finished store is left as it is."""
+    out = str(tmp_path / "s")
+    first = store.tokenize(corpus, "byte", out, workers=1, progress=False)
+    assert store.tokenize(corpus, "byte", out, workers=1, progress=False)["fingerprint"] == first["fingerprint"]
+    real, calls = store.tokenize_part, []
+
+    def fail_second(job):
+        calls.append(job["index"])
+        if len(calls) == 2:
+            raise RuntimeError("preempted")
+        return real(job)
+
+    monkeypatch.setattr(store, "tokenize_part", fail_second)
+    with pytest.raises(RuntimeError, match="preempted"):
+        store.tokenize(make_text_corpus(tmp_path / "c2", size=100_000), "byte", out, workers=1, progress=False)
+    with pytest.raises(ConfigError, match="did not finish"):
+        store.read_manifest(out)

@@ -176,11 +176,15 @@ def tokenize(data: str, vocab: str, out: str, data_dir: str | None = None, split
     vocab_size = 259 if vid["kind"] == "byte" else None
     workers = max(1, int(workers or os.cpu_count() or 1))
     man = {"format": FORMAT, "version": VERSION, "vocab": vid, "packing": PACKING, "eos_id": 1, "pad_id": 0, "splits": {}}
+    plan = {}
     for split in splits:
         src = source_identity(spec, split)
         n = specs.num_shards(spec, split)
         key = _sha([FORMAT, VERSION, src, vid, split, n])[:16]
-        metas: dict[int, dict] = {i: m for i in range(n) if (m := _done(out, split, i, n, key))}
+        plan[split] = src, n, key, {i: m for i in range(n) if (m := _done(out, split, i, n, key))}
+    if any(len(metas) < n for _, n, _, metas in plan.values()) and (root / MANIFEST).exists():
+        (root / MANIFEST).unlink()  # parts are about to change: the store reads as unfinished until the new manifest
+    for split, (src, n, key, metas) in plan.items():
         bar = Progress(split, n, list(metas.values()), progress)
         jobs = [{"data": data, "vocab": vocab, "data_dir": data_dir, "split": split, "index": i, "num": n,
                  "out": os.fspath(out), "key": key, "vocab_size": vocab_size} for i in range(n) if i not in metas]
