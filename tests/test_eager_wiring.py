@@ -107,3 +107,28 @@ def test_eager_sweep_points_validate():
         for p in s["points"]:
             validate(load_config(p["spec"], p["overrides"]), check_data=False)
     assert load_sweep("sweeps/eager.py:tiny")["name"] == "eager_table2_tiny"
+
+
+@pytest.mark.slow
+def test_eager_swap_with_feedback_on_a_replica_mesh_matches_one_device(tmp_path):
+    """The buffers laid out on a `replica` mesh axis of 2 (one CPU device per replica, a subprocess):
+    the same final eval loss as with both replicas on one device (to float32 rounding of the layouts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    over = dict(eager="swap", error_feedback=True, H=4, layers_per_fragment=1, tau=0, codec="e3m0", steps=8,
+                checkpoint_every=8, eval_every=8)
+    one = train(tiny_config("streaming", **over), tmp_path / "one", progress=False)
+    script = (f"import sys, json; sys.path.insert(0, 'tests'); from conftest import tiny_config; "
+              f"from diloco.train import train; s = train(tiny_config('streaming', **{over!r}), {str(tmp_path / 'two')!r},"
+              f" progress=False); print(json.dumps([s['mesh'], s['final_eval_loss']]))")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", TF_CPP_MIN_LOG_LEVEL="3")
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mesh, loss = json.loads(r.stdout.strip().splitlines()[-1])
+    assert mesh["replica"] == 2 and one["mesh"]["replica"] == 1
+    assert abs(loss - one["final_eval_loss"]) <= 1e-5 * one["final_eval_loss"]
