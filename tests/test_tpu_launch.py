@@ -561,7 +561,8 @@ def test_every_generated_gcloud_line_parses_with_the_real_gcloud(dry_bundle, tmp
 
 # -- against the stand-in of Cloud TPU and Cloud Storage (tests/standin/) ---------------------------
 TRACE_ENV = "exec 19>>\"$DILOCO_TRACE\"; BASH_XTRACEFD=19; PS4='+${BASH_SOURCE##*/}:${LINENO}: '; set -x\n"
-NOT_RUN = __import__("re").compile(r"^\s*(#.*|(;;|esac|fi|done|else|then|do)(\s*;;)?|[^\s()]+(\s*\|\s*[^\s()]+)*\))?\s*$")
+NOT_RUN = __import__("re").compile(r"^\s*(#.*|(;;|esac|fi|done|else|then|do|\})(\s*;;)?|[^\s()]+(\s*\|\s*[^\s()]+)*\)"
+                                   r"|[A-Za-z_]\w*\(\)\s*\{\s*(#.*)?)?\s*$")  # (a function's header and closing brace too)
 
 
 def executable_lines(text: str) -> set[int]:
