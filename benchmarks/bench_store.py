@@ -4,8 +4,9 @@
 
 tokenize   tokens per CPU-second of seqio tokenization of the C4 sample (TFDS, 8 train shards) with the byte
            and the T5 SentencePiece vocabulary, in this process after its imports (what one core of a big
-           CPU VM supplies); then the wall time of `diloco data tokenize` with --workers 1 and 2 (imports of
-           each spawned worker included).
+           CPU VM supplies); 1 vs 2 processes on shards 1..7 started together after their imports (wall
+           tokens/s); then the wall time of `diloco data tokenize` with --workers 1 and 2 (imports of each
+           spawned worker included).
 reader     rows/s of StoreBatches (64 x 2048 rows, prefetch 0: all work counted) from a local store (memory
            map) and from a store on the GCS emulator (one ranged GET per row through gcsfs, 16 and 64 threads;
            the emulator is one single-threaded Python HTTP server, so this bounds the emulator, not GCS); the step gap
@@ -43,6 +44,35 @@ def tokenize_rate(data: str, vocab: str, data_dir: str | None) -> float:
     for i in range(1, n):
         tokens += len(tasks.tokenize_shard(spec, vocab, "train", i, n)[0])
     return tokens / (time.process_time() - c0)
+
+
+def _scaling_worker(args) -> tuple[int, float]:
+    data, vocab, data_dir, shards, n, barrier = args
+    from diloco.data import specs, tasks
+
+    spec = specs.parse_data(data, data_dir)
+    tasks.tokenize_shard(spec, vocab, "train", 0, n)  # warm: imports, task, tracing (not timed)
+    barrier.wait()
+    t0, tokens = time.time(), 0
+    for i in shards:
+        tokens += len(tasks.tokenize_shard(spec, vocab, "train", i, n)[0])
+    return tokens, time.time() - t0
+
+
+def tokenize_scaling(data: str, vocab: str, data_dir: str | None, workers: int) -> float:
+    """tokens/s (wall) of `workers` processes tokenizing the train shards 1..n-1 between them, imports excluded."""
+    import multiprocessing as mp
+
+    from diloco.data import specs
+
+    n = specs.num_shards(specs.parse_data(data, data_dir), "train")
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as m:
+        barrier = m.Barrier(workers)
+        with ctx.Pool(workers) as pool:
+            out = pool.map(_scaling_worker, [(data, vocab, data_dir, list(range(1, n))[w::workers], n, barrier)
+                                             for w in range(workers)])
+    return sum(t for t, _ in out) / max(s for _, s in out)
 
 
 def tokenize_wall(data: str, vocab: str, workers: int) -> tuple[float, dict]:
@@ -117,6 +147,11 @@ def main() -> None:
         for vocab in ("byte", spm):
             rate = tokenize_rate("c4", vocab, tfds_dir)
             rows.append(f"tokenize c4 sample, {vocab.split(':')[0]}: {rate / 1e6:.3f} M tokens per CPU-second")
+            print(rows[-1], flush=True)
+        for vocab in ("byte", spm):
+            rates = {w: tokenize_scaling("c4", vocab, tfds_dir, w) for w in (1, 2)}
+            rows.append(f"tokenize c4 sample, {vocab.split(':')[0]}, imports excluded: 1 process {rates[1] / 1e6:.3f} M "
+                        f"tokens/s, 2 processes {rates[2] / 1e6:.3f} M tokens/s ({rates[2] / rates[1]:.2f}x)")
             print(rows[-1], flush=True)
         for vocab in ("byte", spm):
             for w in (1, 2):
