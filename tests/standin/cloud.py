@@ -253,11 +253,8 @@ class Cloud:
                  "coordinatorPort": free_port(), "createTime": _now(), "history": []}
             self._set_state(r, "WAITING_FOR_RESOURCES", "USER")
             for h in self._hosts(r):
-                h.home.mkdir(parents=True)
+                self._image_home(h)
                 _write_json(h.dir / "host.json", {"state": "NEW", "boots": 0})
-                # a login shell (ssh's `bash -lc`) resets PATH in /etc/profile; the VM image's ~/.profile sets it
-                path = self.host_env(name, h.slice, h.worker)["PATH"]
-                (h.home / ".profile").write_text(f'PATH="$HOME/.local/bin:{path}"\nexport PATH\n')
         if self.config["waiting_s"] is not None:
             self._detach([self.config["python"], str(HERE / "gcloud.py"), "standin", "_provision", name],
                          marker=self._rdir(name) / "_provisioner")
@@ -406,6 +403,13 @@ class Cloud:
             _write_json(h.dir / "host.json", {**json.loads((h.dir / "host.json").read_text()), "state": "DOWN"})
         self._kill(h.dir)
 
+    def _image_home(self, h: Host) -> None:
+        """A new VM's home, as its image makes it."""
+        h.home.mkdir(parents=True)
+        # a login shell (ssh's `bash -lc`) resets PATH in /etc/profile; the VM image's ~/.profile sets it
+        path = self.host_env(h.dir.parent.name, h.slice, h.worker)["PATH"]
+        (h.home / ".profile").write_text(f'PATH="$HOME/.local/bin:{path}"\nexport PATH\n')
+
     def repair_host(self, name: str, slice: int, worker: int, fresh: bool = False) -> None:
         """The host comes back like a rebooted VM: up again, its metadata startup script runs again. With
         `fresh`, as a VM Cloud TPU recreated (a repaired slice): its disk (home) is new and empty."""
@@ -413,7 +417,7 @@ class Cloud:
         self._kill(h.dir)
         if fresh:
             shutil.rmtree(h.home, ignore_errors=True)
-            h.home.mkdir(parents=True)
+            self._image_home(h)
         self.boot(name, slice, worker)
 
     def reboot_host(self, name: str, slice: int, worker: int) -> None:
