@@ -507,7 +507,7 @@ def test_a_maintenance_notice_checkpoints_every_host_now_and_the_attempt_is_not_
     logs = [p.base / "a" / "logs" / "attempt-1" / f"{A.label(h)}.log" for h in p.hosts]
     until(lambda: all(f.exists() and "started" in f.read_text() for f in logs), what="both running", pod=p)
     (md / "maintenance-event").write_text("TERMINATE_ON_HOST_MAINTENANCE\n")
-    p.wait(timeout=60)
+    p.wait(timeout=120)
     a = p.status("a")
     assert (a["state"], a["attempt"]) == ("finished", 2), a
     assert a["attempts"]["1"]["result"] == "stopped"
