@@ -222,6 +222,19 @@ def _plan(qr, points, root="gs://b/r/s", acc="v5p-16", slices=1):
             "base": f"{root}/_pods/{qr}", "points": [{"name": p, "workdir": f"{root}/{p}"} for p in points]}
 
 
+def test_two_pods_on_one_root_share_no_coordination_file_and_the_same_run_folders():
+    from diloco.tpu.layout import Layout
+
+    (root1, ns1), (root2, ns2) = bundle.namespace("gs://b/r", "s", "pod-1"), bundle.namespace("gs://b/r/", "s", "pod-2")
+    assert root1 == root2 == "gs://b/r/s" and (ns1, ns2) == ("gs://b/r/s/_pods/pod-1", "gs://b/r/s/_pods/pod-2")
+
+    def files(L):
+        return {str(p) for p in (L.beat("0-0"), L.stop, L.status("p"), L.go("p", 1), L.attempt("p", 1),
+                                 L.log("p", 1, "0-0"), L.boot_log("0-0"), L.agent_log("0-0"), L.maintenance("0-0"))}
+
+    assert not files(Layout(ns1)) & files(Layout(ns2))
+
+
 def test_a_live_launch_of_another_resource_on_the_same_points_is_refused_naming_it():
     mine = _plan("pod-2", ["a", "b"])
     live = lambda qr, plan: {"state": {"state": "ACTIVE"}}  # noqa: E731
