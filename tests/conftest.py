@@ -3,7 +3,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
+# Implicit rank promotion (adding a (D,) array to a (B, L, D) one) is an error in the tests, here and in
+# the subprocesses they start (nanodo's guard for vmapped code: a missing replica axis would broadcast
+# silently). Set before anything imports jax; the code broadcasts explicitly.
+os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+
+import pytest  # noqa: E402
 
 from standin.fixtures import gcs, gcs_emulator, standin  # noqa: F401  (the Cloud TPU / GCS stand-in)
 

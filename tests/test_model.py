@@ -157,7 +157,8 @@ def test_matches_the_plain_jax_reference_decoder():
     cfg = ModelConfig(vocab_size=384, **GOLDEN["toy"][0])
     x = _tokens()
     p = Transformer(cfg).init(jax.random.PRNGKey(0), x[:1, :8])["params"]
-    loss, ce = ref_decoder.loss(p, x, cfg.heads)
+    with jax.numpy_rank_promotion("allow"):  # the plain reference broadcasts as NumPy does, on purpose
+        loss, ce = ref_decoder.loss(p, x, cfg.heads)
     np.testing.assert_allclose([float(loss), float(ce)], GOLDEN["toy"][2:], rtol=1e-6)
 
 
@@ -335,3 +336,23 @@ def test_the_plan_is_recorded_and_a_changed_plan_is_stale():
         "resolved.attention"]
     assert resolve.stale_choices(plan, tiny_config("streaming", tau=1, **{"model.attention": "xla"})) == []  # as ran
     assert resolve.stale_choices({"devices": "?"}, cfg) == []
+
+
+def test_sweep_staleness_compares_the_recorded_plan(tmp_path):
+    """A finished run's recorded plan replaces the `auto` text of the fields it resolves: the same plan
+    is not stale whatever the config spells; a plan the config now resolves differently is."""
+    import json
+
+    import jax
+    from conftest import tiny_config
+
+    from diloco import resolve
+
+    cfg = tiny_config("streaming", tau=1)
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"resolved": resolve.resolve(cfg, jax.devices()[:1]).to_json()}))
+    assert resolve.stale_against_record(["model.attention", "H"], summary, lambda: cfg) == ["H"]
+    other = tiny_config("streaming", tau=1, **{"model.attention": "dot_product"})
+    assert resolve.stale_against_record(["model.attention"], summary, lambda: other) == ["resolved.attention"]
+    (tmp_path / "old.json").write_text("{}")  # a record from before plans: the config fields as they are
+    assert resolve.stale_against_record(["model.attention"], tmp_path / "old.json", lambda: other) == ["model.attention"]

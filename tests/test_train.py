@@ -129,8 +129,12 @@ def test_fifty_steps_on_real_text_lower_eval_loss(tmp_path):
     for k in ("step", "tokens", "train_loss", "lr", "bytes_exchanged", "seconds"):
         assert k in rows[0]
     for k in ("method", "steps", "tokens", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync",
-              "params", "params_sha256", "wall_seconds", "versions"):
+              "params", "params_sha256", "wall_seconds", "versions", "resolved"):
         assert k in s
+    # every `auto` as this run resolved it (diloco/resolve.py), with its reasons
+    assert {k: s["resolved"][k] for k in ("platform", "attention", "remat", "scan")} == {
+        "platform": "cpu", "attention": "xla", "remat": "none", "scan": False}
+    assert s["resolved"]["exchange"] in ("none", "blocking") and s["resolved"]["mesh"] == s["mesh"]
 
 
 @pytest.mark.parametrize("method,extra", [("dp", {}), ("streaming", {"H": 4, "layers_per_fragment": 1, "tau": 2})])

@@ -85,7 +85,7 @@ class RMSNorm(nn.Module):
                            (x.shape[-1],), jnp.float32)
         x32 = x.astype(jnp.float32)  # no-op in float32
         y = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(x.dtype)
+        return (y * scale.reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)  # explicit broadcast
 
 
 def rope_tables(L: int, K: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -97,7 +97,8 @@ def rope_tables(L: int, K: int, base: float) -> tuple[jax.Array, jax.Array]:
 
 def apply_rope(x_BxLxHxK: jax.Array, sin_Lx1xK2: jax.Array, cos_Lx1xK2: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos_Lx1xK2 - x2 * sin_Lx1xK2, x2 * cos_Lx1xK2 + x1 * sin_Lx1xK2], axis=-1)
+    sin, cos = sin_Lx1xK2[None], cos_Lx1xK2[None]  # 1×L×1×K/2 against B×L×H×K/2
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
 
 
@@ -178,7 +179,7 @@ class Block(nn.Module):
         else:
             logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k).astype(jnp.float32) * K**-0.5
             causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-            logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
+            logits_BxHxLxL = jnp.where(causal_LxL[None, None], logits_BxHxLxL, jnp.finfo(jnp.float32).min)
             probs = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(dt)
             att_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs, v)
         att_BxLxD = att_BxLxHxK.reshape(B, L, D)
