@@ -198,6 +198,7 @@ class Run:
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.t0 = time.time() - self.counters.wall_seconds
         self.last_log = (time.time(), self.start)
+        self.progress = progress
         self.bar = progress_bar(self.start, cfg.steps, progress)
         self.shown_eval: float | None = None
 
@@ -306,8 +307,22 @@ class Run:
                                 "run the same command to resume")
 
     # -- the loop -----------------------------------------------------------------------------------
+    def precompile(self) -> None:
+        """Every program this run executes, compiled before its first step, side by side (diloco/precompile.py):
+        nothing compiles at a fragment's first send, apply or merge. DILOCO_PRECOMPILE=0: at first use."""
+        if self.start >= self.cfg.steps or os.environ.get("DILOCO_PRECOMPILE", "1") == "0":
+            return
+        from diloco.precompile import precompile, run_programs
+
+        tr = self.tr
+        zeros = np.zeros((len(self.data_rows), self.cfg.seq_len), np.int32)  # placed as the loop places a batch
+        tokens = self.dist.global_batch(zeros, self.data_rows, tr.batch_sharding, self.batch_shape)
+        precompile(run_programs(tr, self.state, tokens, self.evals[0] if self.evals else None),
+                   log=None if self.progress else (lambda msg: None))
+
     def train(self, stop_after: int | None = None) -> dict:
         cfg = self.cfg
+        self.precompile()
         with StopSignal() as sig:
             try:
                 for t in range(self.start + 1, cfg.steps + 1):

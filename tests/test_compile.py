@@ -180,35 +180,41 @@ def test_compiled_with_names_the_flags_and_versions():
     import jax
 
     tail = f"; jax {jax.__version__}, libtpu {importlib.metadata.version('libtpu') if importlib.util.find_spec('libtpu') else 'none'}"
-    assert C.compiled_with(list(C.TPU_OVERLAP_FLAGS)) == "run programs, overlap flags" + tail
-    assert C.compiled_with([]) == "run programs, no overlap flags" + tail
-    assert C.compiled_with(list(C.TPU_OVERLAP_FLAGS[1:])) == ("run programs, LIBTPU_INIT_ARGS="
+    assert C.compiled_with(list(C.TPU_OVERLAP_FLAGS)) == "distinct run programs, overlap flags" + tail
+    assert C.compiled_with([]) == "distinct run programs, no overlap flags" + tail
+    assert C.compiled_with(list(C.TPU_OVERLAP_FLAGS[1:])) == ("distinct run programs, LIBTPU_INIT_ARGS="
                                                              + " ".join(C.TPU_OVERLAP_FLAGS[1:]) + tail)
     assert C.parse_peaks("inner=81.97; eval=25.8; step+send 3=80.9") == {"inner": 81.97, "eval": 25.8,
                                                                            "step+send 3": 80.9}
 
 
 @needs_libtpu
-def test_table_programs_are_the_run_programs_of_the_largest_fragment():
+def test_table_programs_are_the_distinct_programs_of_a_run():
     """tiny Streaming (τ=1) on v5e:2x2: the exchange rides on the step (in_step on TPU), so a run executes
-    inner, step+send/send/update/merge of each fragment, and eval (4P + 2 programs); the table compiles
-    those of the largest fragment. DiLoCo (τ=0: blocking send) has no step+send; DP only inner and eval."""
+    inner, step+send/send/update/merge per fragment layout, and eval. Without nn.scan every block is its
+    own leaf, so every fragment has its own layout (4P + 2 programs); with nn.scan (the paper's scales)
+    fragments 1…P−1 share one program per kind and the one holding the embeddings has its own: 4·2 + 2,
+    whatever P. The table compiles all of them. DiLoCo (τ=0: blocking send) has no step+send; DP only
+    inner and eval."""
     import sys
     sys.path.insert(0, "tests")
-    import numpy as np
     from conftest import tiny_config
 
     from diloco.trainer import Trainer
 
     devs = C.tpu_devices("v5e:2x2")
+    kinds = ("step+send", "send", "update", "merge")
     tr = Trainer(tiny_config("streaming", codec="bf16", batch_size=8, tau=1, layers_per_fragment=1),
                  devices=devs)
-    P, sizes = tr.driver.P, tr.sync.frags.sizes
-    big = int(np.argmax(sizes))
-    assert tr.driver.exchange == "in_step" and P >= 2 and len(set(sizes)) > 1
+    P = tr.driver.P
+    assert tr.driver.exchange == "in_step" and P >= 3 and tr.sync.frags.groups() == tuple((p,) for p in range(P))
     assert [n for n, _, _ in C.trainer_programs(tr)] == (
-        ["inner"] + [f"{k} {p}" for p in range(P) for k in ("step+send", "send", "update", "merge")] + ["eval"])
-    assert C.table_programs(tr) == ["inner", f"step+send {big}", f"send {big}", f"update {big}", f"merge {big}", "eval"]
+        ["inner"] + [f"{k} {p}" for p in range(P) for k in kinds] + ["eval"])
+    assert C.table_programs(tr) == [n for n, _, _ in C.trainer_programs(tr)]
+    sc = Trainer(tiny_config("streaming", codec="bf16", batch_size=8, tau=1, layers_per_fragment=1,
+                             **{"model.scan": True}), devices=devs)
+    assert sc.driver.P == P and sc.sync.frags.groups() == ((0,), tuple(range(1, P)))
+    assert C.table_programs(sc) == ["inner"] + [f"{k} {g}" for g in ("0", f"1-{P - 1}") for k in kinds] + ["eval"]
     dl = Trainer(tiny_config("diloco", batch_size=8), devices=devs)
     assert dl.driver.exchange == "blocking" and C.table_programs(dl) == ["inner", "send 0", "update 0", "merge 0", "eval"]
     dp = Trainer(tiny_config("dp", batch_size=8), devices=devs)
@@ -241,11 +247,16 @@ def test_committed_memory_rows_are_consistent():
         assert (r["fits"] == "True") == (peaks[top] <= (1 - C.TABLE_HEADROOM) * hbm and set(peaks) == set(r["programs"].split(", "))), r
         cell = f"| {r['scale']} | {r['method']} | {r['topology']} |"
         line = next(x for x in md.splitlines() if x.startswith(cell))
-        if r["compiled_with"] == C.COMPILED_BEFORE:
+        kind = C.compiled_kind(r)
+        if kind == "inner+eval":
             assert r["programs"] == "inner, eval" and "| inner+eval: " in line and "| inner+eval |" in line, line
+        elif kind == "largest fragment":
+            assert "| largest fragment: " in line and "| largest fragment |" in line, line
         else:
-            assert r["compiled_with"].startswith("run programs, overlap flags; "), r
-            assert f"| {'yes' if r['fits'] == 'True' else 'NO'} | run |" in line, line
+            assert r["compiled_with"].startswith(("distinct run programs, overlap flags; ", "run programs, overlap "
+                                                  "flags; " if r["method"] != "Streaming" else "-")), r
+            assert r["distinct_programs"] in ("", str(len(r["programs"].split(", ")))), r
+            assert f"| {'yes' if r['fits'] == 'True' else 'NO'} | distinct |" in line, line
 
 
 @needs_libtpu
@@ -258,7 +269,7 @@ def test_committed_memory_rows_compiled_every_program_of_the_run(shared_dir):
     from diloco.trainer import Trainer
 
     spm = str(shared_dir / "data" / "vocab" / "sentencepiece_cc_all.32000.100extra-sentencepiece.model")
-    run = [r for r in _committed_rows() if r["compiled_with"] != C.COMPILED_BEFORE]
+    run = [r for r in _committed_rows() if C.compiled_kind(r) == "distinct"]
     assert run, "no row of results/pod/memory.csv is compiled with the run's programs"
     seen = {}
     for r in run:
@@ -297,7 +308,7 @@ def test_a_fresh_compile_of_a_memory_row_equals_the_committed_row(shared_dir, tm
     assert out.returncode == 0, out.stderr[-2000:]
     (fresh,) = C.read_table(tmp_path / "memory.csv")
     (committed,) = [r for r in _committed_rows() if (r["scale"], r["method"], r["chip"]) == ("35M", "Streaming", "v5e")]
-    assert fresh["compiled_with"].startswith("run programs, overlap flags; ")
+    assert fresh["compiled_with"].startswith("distinct run programs, overlap flags; ")
     assert fresh["compiled_with"] == committed["compiled_with"]
     assert any(p.startswith("step+send ") for p in fresh["programs"].split(", "))
     for k in ("topology", "mesh", "programs", "peak_program", "fits"):

@@ -33,6 +33,12 @@ RUNS = {
                                        "comm_device"),
     "streaming_tau1_e3m0_chips2": ("streaming", {"tau": 1, "codec_block_size": 32}, "chips2"),
     "streaming_tau1_fp8_chips2": ("streaming", {"tau": 1, "codec": "fp8_e4m3", "codec_block_size": 32}, "chips2"),
+    # blocks under nn.scan: fragments 1 and 2 share one program per kind, their row starts an argument (#32)
+    "scan_streaming_tau1": ("streaming", {"tau": 1, "model.scan": True}, "in_step"),
+    "scan_streaming_tau2_sequential": ("streaming", {"tau": 2, "pattern": "sequential", "model.scan": True},
+                                       "blocking"),
+    "scan_streaming_tau1_e3m0_chips2": ("streaming", {"tau": 1, "codec_block_size": 32, "model.scan": True},
+                                        "chips2"),
 }
 
 # Recorded from the code at d676a7d (before the #31 redesign; the tree at this test's commit gives the same).
@@ -49,6 +55,10 @@ EXPECTED = {
     "streaming_tau2_sequential_comm": "7080192aa9a386f653ba25d10bcbde434e7965290a5f22eb2b738595443501ae",
     "streaming_tau1_e3m0_chips2": "4ac9a665679ad7b0fc61ec3dd2fe73838d8866e333b879c5b4f720a98a787b7f",
     "streaming_tau1_fp8_chips2": "186397ff6a624c77f94f6802c8da601f2c010dd3849469c55ea1afc54953f929",
+    # recorded from d676a7d (per-fragment programs) for the scan runs: the shared programs give the same
+    "scan_streaming_tau1": "78fe813df0550e5a96b45988e492775f970cee951633a0a6082e8f91a25d68e2",
+    "scan_streaming_tau2_sequential": "6a79ff025517af90cb6d9d96e95e275554ff59e8f6d83772a8d1fdf6aca85dc1",
+    "scan_streaming_tau1_e3m0_chips2": "807e107ccfdbd7395f1ab4c68aedc4ecd85d9040c7fec07edcf063d0e596aa40",
 }
 
 SCRIPT = r"""

@@ -28,7 +28,7 @@ from diloco.compile.hlo import (annotate_overlap, computation_flops, entry_flops
                                 op_flops, parse_collectives, scheduled_overlap, shape_bytes, slice_axes, while_trips)
 from diloco.compile.overlap import (CHIP_PEAK_TFLOPS, TPU_OVERLAP_FLAGS, exchange_collectives, overlap_report,
                                     overlapping, parse_bandwidth, predict_cu, use_tpu_overlap_flags)
-from diloco.compile.paper_table import (COMPILED_BEFORE, CSV_FIELDS, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES,
+from diloco.compile.paper_table import (COMPILED_BEFORE, CSV_FIELDS, compiled_kind, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES,
                                         TABLE_HEADROOM, TABLE_MFU, compile_row, compiled_with, device_hbm,
                                         devices_per_chip, estimate_bytes, paper_config, paper_table, paper_table_main,
                                         parse_peaks, read_table, slice_devices, table_programs, table_row,
@@ -48,7 +48,7 @@ __all__ = [
     "CHIP_PEAK_TFLOPS", "TPU_OVERLAP_FLAGS", "exchange_collectives", "overlap_report", "overlapping",
     "parse_bandwidth", "predict_cu", "use_tpu_overlap_flags",
     # paper_table
-    "COMPILED_BEFORE", "CSV_FIELDS", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM",
+    "COMPILED_BEFORE", "CSV_FIELDS", "compiled_kind", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM",
     "TABLE_MFU", "compile_row", "compiled_with", "device_hbm", "devices_per_chip", "estimate_bytes", "paper_config",
     "paper_table", "paper_table_main", "parse_peaks", "read_table", "slice_devices", "table_programs", "table_row",
     "write_table",

@@ -32,9 +32,21 @@ TABLE_HEADROOM = 0.10
 CSV_FIELDS = ("scale", "method", "chip", "topology", "chips", "devices", "mesh", "params", "global_batch",
               "seq_len", "scan", "remat", "attention", "device_hbm_gib", "state_gib", "inner_peak_gib", "eval_peak_gib", "peak_gib",
               "headroom", "fits", "step_tflop", "step_seconds", "compile_seconds", "note",
-              "programs", "program_peaks_gib", "peak_program", "compiled_with")
+              "programs", "program_peaks_gib", "peak_program", "compiled_with", "distinct_programs",
+              "compile_wall_seconds", "compiled_on")
 # What the rows written before issue #25 compiled: the inner step and eval only, without the overlap flags.
 COMPILED_BEFORE = "inner+eval, no overlap flags (before #25)"
+
+
+def compiled_kind(row: dict) -> str:
+    """What a row compiled: `distinct` (every distinct program of the run, this code), `largest fragment`
+    (every kind of program, for the largest fragment only: rows written before fragments shared
+    programs, #32) or `inner+eval` (before #25). Only `distinct` rows claim a run's fit."""
+    how = str(row.get("compiled_with") or "")
+    if how.startswith("run programs") and row.get("method") != "Streaming":
+        return "distinct"  # DP and DiLoCo (P = 1) have no fragments to share: the same programs either way
+    return "distinct" if how.startswith("distinct run programs") else (
+        "largest fragment" if how.startswith("run programs") else "inner+eval")
 
 
 def compiled_with(flags: list[str] | None = None) -> str:
@@ -55,18 +67,13 @@ def compiled_with(flags: list[str] | None = None) -> str:
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         libtpu = "none"
-    return f"run programs, {how}; jax {jax.__version__}, libtpu {libtpu}"
+    return f"distinct run programs, {how}; jax {jax.__version__}, libtpu {libtpu}"
 
 
 def table_programs(tr) -> list[str]:
-    """The programs a row compiles: every program a run of `tr` executes (`trainer_programs`), those of
-    one fragment (step+send, send, update, merge) for the largest fragment only — the others are the
-    same programs moving fewer bytes."""
-    names = [name for name, _, _ in trainer_programs(tr)]
-    if tr.driver is None:
-        return names
-    big = str(int(np.argmax(tr.sync.frags.sizes)))
-    return [n for n in names if " " not in n or n.rsplit(" ", 1)[1] == big]
+    """The programs a row compiles: every distinct program a run of `tr` executes (`trainer_programs`:
+    one per fragment layout, so the embeddings' fragment and the fragments of blocks only)."""
+    return [name for name, _, _ in trainer_programs(tr)]
 
 
 def paper_config(scale: str, method: str, spm: str, seq_len: int = 2048):
@@ -160,11 +167,15 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     tr = Trainer(cfg, devices=devices)
     names = table_programs(tr)
     limit = (1 - TABLE_HEADROOM) * hbm
+    load = os.getloadavg()[0]
     got = compile_trainer(cfg, devices, {"inner", "eval"}, tr=tr)
     progs = {r["program"]: r for r in got["programs"]}
+    wall = got["compile"]["seconds_wall"]
     first = [progs[p].get("peak_bytes_per_chip") for p in ("inner", "eval")]
     if all(b is not None and b <= limit for b in first):  # else the rest cannot make it fit
-        progs.update((r["program"], r) for r in compile_trainer(cfg, devices, set(names) - set(progs), tr=tr)["programs"])
+        rest = compile_trainer(cfg, devices, set(names) - set(progs), tr=tr)
+        progs.update((r["program"], r) for r in rest["programs"])
+        wall += rest["compile"]["seconds_wall"]
     peaks = {p: progs[p]["peak_bytes_per_chip"] for p in names if p in progs and progs[p]["compiled"]}
     ok = len(peaks) == len(progs)
     top = max(peaks, key=peaks.get) if peaks else ""
@@ -188,7 +199,9 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
            "compile_seconds": round(time.time() - t0, 1), "note": note,
            "programs": ", ".join(p for p in names if p in progs),
            "program_peaks_gib": "; ".join(f"{p}={gib(b)}" for p, b in peaks.items()),
-           "peak_program": top if worst is not None else "", "compiled_with": how}
+           "peak_program": top if worst is not None else "", "compiled_with": how,
+           "distinct_programs": len(names), "compile_wall_seconds": round(wall, 1),
+           "compiled_on": f"{os.cpu_count()} cores, load {max(load, os.getloadavg()[0]):.1f}"}
     if where:
         atomic_write_json(where, row)
     return row
@@ -235,8 +248,8 @@ def write_table(rows: list[dict], out_dir: str) -> None:
     w.writeheader()
     w.writerows({k: r.get(k, "") for k in CSV_FIELDS} for r in rows)
     atomic_write_text(os.path.join(out_dir, "memory.csv"), buf.getvalue())
-    new = sorted({r["compiled_with"] for r in rows} - {COMPILED_BEFORE})
-    n_new = sum(r["compiled_with"] != COMPILED_BEFORE for r in rows)
+    new = sorted({r["compiled_with"] for r in rows if compiled_kind(r) == "distinct"})
+    n_new = sum(compiled_kind(r) == "distinct" for r in rows)
     lines = ["# Per-device memory at paper scale (`diloco compile --paper-table`)", "",
              f"Seq {rows[0]['seq_len'] if rows else 2048}, T5 32k vocabulary, the spec's global batch "
              "(experiments/common.py BATCH, same tokens per step at seq 2048), bf16 compute, fp32 params + AdamW; "
@@ -247,17 +260,20 @@ def write_table(rows: list[dict], out_dir: str) -> None:
              "**What is compiled** (column *compiled* = `run`): every program a run of the method executes "
              "(`diloco.compile.aot.trainer_programs`, the list `diloco compile` compiles): DP `inner` and `eval`; "
              "DiLoCo `inner`, the whole-model `send 0`, `update 0`, `merge 0` and `eval`; Streaming (exchange "
-             "in_step on TPU) `inner`, `step+send p` (the step that carries the exchange), `send p` (the deferred "
-             "send a checkpoint settles), `update p`, `merge p` and `eval`, the fragment programs for the largest "
-             "fragment p. Peak = the largest per-device peak of those programs (eval adds the rest of the resident "
+             "in_step on TPU) `inner`, `step+send` (the step that carries the exchange), `send` (the deferred "
+             "send a checkpoint settles), `update`, `merge` once per fragment layout (`0`: the fragment holding the "
+             "embeddings; `1-7`: the fragments of blocks only, one program shared with the fragment's row start "
+             "as an argument) and `eval`: *distinct programs* of them, compiled in parallel in *compile wall s* "
+             "on the machine in *compiled on*. Peak = the largest per-device peak of those programs (eval adds the rest of the resident "
              "state), named in *peak program*; fits = peak ≤ 90% of device HBM. **With the flags a run sets**: "
              "`LIBTPU_INIT_ARGS` = `" + " ".join(TPU_OVERLAP_FLAGS) + "` (`diloco.compile.use_tpu_overlap_flags`, "
-             "the call `diloco train` makes before libtpu starts). " + (f"Rows marked `run`: {n_new} of {len(rows)}, "
+             "the call `diloco train` makes before libtpu starts). " + (f"Rows marked `distinct`: {n_new} of {len(rows)}, "
              "compiled with " + " | ".join(f"`{h}`" for h in new) + "." if new else "")]
     if n_new < len(rows):
-        lines += ["", f"Rows marked `inner+eval` ({len(rows) - n_new}) are from the earlier table: the inner step "
-                  "and eval only, compiled without the overlap flags; their fit is not a claim about a run "
-                  "(fits column `inner+eval: …`). Compile them with `diloco compile --paper-table --out "
+        lines += ["", f"Rows not marked `distinct` ({len(rows) - n_new}) are from earlier tables: `inner+eval` "
+                  "(the inner step and eval only, without the overlap flags) or `largest fragment` (every kind of "
+                  "program, for the largest fragment only); their fit is not a claim about a run (fits column "
+                  "`inner+eval: …` / `largest fragment: …`). Compile them with `diloco compile --paper-table --out "
                   "results/pod` (rows already compiled as above are skipped)."]
     lines += ["", "Headroom = 1 − peak / device HBM. TFLOP/step = model FLOPs (6·params + 12·layers·d_model·seq per "
               f"token); step time = that / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
@@ -265,13 +281,14 @@ def write_table(rows: list[dict], out_dir: str) -> None:
               "| scale | method | slice | chips | mesh | params | peak GiB/dev | peak program | HBM GiB | headroom | "
               "fits ≥10% | compiled | TFLOP/step | step s | note |", "|" + "---|" * 15]
     for r in rows:
-        run = r["compiled_with"] != COMPILED_BEFORE
+        kind = compiled_kind(r)
+        run = kind == "distinct"
         hr = f"{float(r['headroom']):.0%}" if r["headroom"] not in ("", None) else "–"
         fits = "yes" if str(r["fits"]) == "True" else "NO"
         lines.append(f"| {r['scale']} | {r['method']} | {r['topology']} | {r['chips']} | {r['mesh']} | "
                      f"{int(r['params']) / 1e6:,.0f}M | {r['peak_gib'] or '–'} | {r.get('peak_program') or '–'} | "
-                     f"{r['device_hbm_gib']} | {hr} | {fits if run else 'inner+eval: ' + fits} | "
-                     f"{'run' if run else 'inner+eval'} | {r['step_tflop']} | {r['step_seconds'] or '–'} | "
+                     f"{r['device_hbm_gib']} | {hr} | {fits if run else kind + ': ' + fits} | "
+                     f"{kind} | {r['step_tflop']} | {r['step_seconds'] or '–'} | "
                      f"{(r['note'] or '')[:80]} |")
     atomic_write_text(os.path.join(out_dir, "memory.md"), "\n".join(lines) + "\n")
 
@@ -285,7 +302,8 @@ def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER
     os.makedirs(out_dir, exist_ok=True)
     rows = read_table(os.path.join(out_dir, "memory.csv"))
     how = compiled_with()
-    done = {(r["scale"], r["method"], r["chip"]) for r in rows if r.get("compiled_with") == how}
+    done = {(r["scale"], r["method"], r["chip"]) for r in rows
+            if r.get("compiled_with") == how or (compiled_kind(r) == "distinct" and "distinct " + r["compiled_with"] == how)}
     for scale in scales:
         for method in methods:
             for chip in chips:

@@ -100,6 +100,7 @@ class OuterDriver:
             else:
                 raise ValueError(f"unknown outer operation {kind!r}")
             group = next(g for g in sync.frags.groups() if p in g)
+            f.__name__ = program_name(kind, group)  # what JAX's compile logs and events name it
             self._jit[k] = aligned_jit(f, f"{kind}-{group_name(group)}", donate_argnums=donate_argnums)
         return FragmentProgram(kind, p, self._jit[k], self.sync)
 
@@ -123,6 +124,7 @@ class OuterDriver:
                 return self.constrain(new), avg_n, ce_R, fin_R
 
             group = next(g for g in self.sync.frags.groups() if p in g)
+            f.__name__ = program_name("step+send", group)
             self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0,))
         return FragmentProgram("step+send", p, self._jit[k], self.sync)
 
@@ -198,6 +200,12 @@ class FragmentProgram:
 
     def lower(self, state, *rest):
         return self.jitted.lower(*self.args(state, *rest))
+
+
+def program_name(kind: str, group: tuple[int, ...]) -> str:
+    """A fragment program's function name: `step_send_fragments_1_7`, `merge_fragment_0`."""
+    g = group_name(group).replace("-", "_").replace(",", "_")
+    return f"{kind.replace('+', '_')}_fragment{'s' if len(group) > 1 else ''}_{g}"
 
 
 def group_name(group: tuple[int, ...]) -> str:
