@@ -97,6 +97,8 @@ BAD = [
         r"2 does not divide the 1 devices of one replica", devices=2),
     Bad("replica_axis", {"mesh.replica_axis": 3}, "mesh.replica_axis", r"3 must divide both the 1 devices and replicas=2",
         devices=1),
+    Bad("error_feedback_on_dp", {"error_feedback": True}, "error_feedback",
+        r"applies to the outer exchange of method=diloco or streaming, not dp", method="dp"),
     # fault knobs
     Bad("nan_policy", {"faults.nan_policy": "ignore"}, "faults.nan_policy", r"'ignore' is not one of"),
     Bad("nan_replica", {"faults.nan_step": 2, "faults.nan_replica": 5}, "faults.nan_replica",
