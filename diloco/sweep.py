@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -31,8 +30,8 @@ from typing import Any
 
 from diloco.config import REPO_ROOT, make_importable, repo_path
 from diloco.errors import ConfigError
+from diloco.pointlock import LOCK, acquire_lock, release_lock
 
-LOCK = ".lock"
 
 
 # -- building points ---------------------------------------------------------------------------------
@@ -132,55 +131,6 @@ def shown(cmd: list[str]) -> str:
     """A command as a user would type it: `diloco train …` rather than this interpreter's path."""
     prefix = [sys.executable, "-m", "diloco.cli"]
     return shlex.join(["diloco", *cmd[len(prefix):]] if cmd[:len(prefix)] == prefix else cmd)
-
-
-# -- locks -------------------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def acquire_lock(workdir: Path) -> bool:
-    """O_CREAT|O_EXCL lock file holding host:pid. A lock of a dead process on this host is stale and
-    taken over; a live one (or one from another host) means someone else runs the point."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    lock = workdir / LOCK
-    me = f"{socket.gethostname()}:{os.getpid()}"
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                host, _, pid = lock.read_text().strip().rpartition(":")
-            except FileNotFoundError:
-                continue  # released meanwhile; try again
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                stale = lock.with_name(f"{LOCK}.stale.{os.getpid()}")
-                try:
-                    os.replace(lock, stale)  # only one taker wins the rename
-                    stale.unlink()
-                except FileNotFoundError:
-                    pass
-                continue
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return True
-    return False
-
-
-def release_lock(workdir: Path) -> None:
-    lock = workdir / LOCK
-    try:
-        if lock.read_text().strip() == f"{socket.gethostname()}:{os.getpid()}":
-            lock.unlink()
-    except FileNotFoundError:
-        pass
 
 
 # -- running -----------------------------------------------------------------------------------------
