@@ -1,4 +1,5 @@
 """The Streaming DiLoCo sync schedule as a pure function of the step.
+The algorithm contract these implement is stated once, in docs/architecture.md.
 
 Steps are counted t = 1, 2, … after each inner step. Fragment p (0-based) of P has offset
 t_p = round(p·H/P) (halves round up). It sends at t = t_p + k·H (k ≥ 1) and is applied τ steps

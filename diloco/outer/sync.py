@@ -1,4 +1,5 @@
 """Outer state and the three sync operations of (Streaming) DiLoCo, as pure functions.
+The algorithm contract these implement is stated once, in docs/architecture.md.
 
   send(p):    Δ_m,p = θ^g_p − θ_m,p on every replica → encode → exchanged over the `replica`
               mesh axis as the encoded arrays (all-gather of the payload) → decoded and averaged in
