@@ -338,3 +338,21 @@ def test_the_shard_permutation_gathered_in_passes_is_the_documents_in_permuted_o
         monkeypatch.setattr(batches, "PERMUTE_DOCS", per_pass)
         got, off = batches.permute_documents(tokens, offsets, perm)
         assert np.array_equal(got, want) and off.tolist() == np.concatenate([[0], np.cumsum(lens[perm])]).tolist()
+
+
+def test_several_prepared_c4_copies_are_refused_naming_them(tmp_path):
+    """data=c4 with a data_dir holding c4/en/3.0.1 beside c4/realnewslike/3.0.1 (a mirror of the public bucket):
+    one line naming both and the way out (data=c4:<dir>), never the alphabetically last one silently."""
+    from diloco.data.specs import parse_data
+    from diloco.errors import ConfigError
+
+    for d in ("c4/en/3.0.1", "c4/realnewslike/3.0.1"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "dataset_info.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        parse_data("c4", data_dir=str(tmp_path))
+    msg = str(e.value)
+    assert e.value.field == "data" and "c4/en/3.0.1" in msg and "c4/realnewslike/3.0.1" in msg and "data=c4:" in msg
+    assert "\n" not in msg
+    (tmp_path / "c4/realnewslike/3.0.1/dataset_info.json").unlink()
+    assert parse_data("c4", data_dir=str(tmp_path)).root.endswith("c4/en/3.0.1")

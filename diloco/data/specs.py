@@ -19,7 +19,6 @@ SPECS = "stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<jsonl glob> | jso
 VOCABS = "byte | sentencepiece:<path to .model>"
 SPLITS = ("train", "validation")
 VAL_PER_MILLE = 20  # file/hash-split corpora: ~2% of documents go to "validation"
-C4_DEFAULT = ("c4", "en", "3.1.0")
 # stdlib corpus: skip third-party code and the (huge, machine-generated-heavy) test suites.
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 SHARD_BYTES = 1 << 20  # stdlib/text corpora: ~1 MiB of source text per shard
@@ -93,10 +92,12 @@ def _tfds_root(name: str, path: str) -> str | None:
     p = require(os.path.expanduser(path), "data_dir")
     if (p / "dataset_info.json").is_file():
         return str(p)
-    if name == "c4" and (p.joinpath(*C4_DEFAULT) / "dataset_info.json").is_file():
-        return str(p.joinpath(*C4_DEFAULT))
     found = sorted(p.glob(f"{name}/*/dataset_info.json")) + sorted(p.glob(f"{name}/*/*/dataset_info.json"))
-    return str(found[-1].parent) if found else None
+    if len(found) > 1:  # e.g. c4/en/3.0.1 beside 3.1.0, or c4/realnewslike: never pick one silently
+        dirs = ", ".join(os.fspath(f.parent) for f in found)
+        raise ConfigError("data", f"{len(found)} prepared {name} copies under {path!r} ({dirs}); choose one with "
+                          f"data={name}:<one of them> (C4: c4/en 3.0.1 is the public prepared copy, 3.1.0 the newer build)")
+    return str(found[0].parent) if found else None
 
 
 def tfds_split_info(root: str) -> dict[str, list[int]]:
@@ -132,7 +133,7 @@ def parse_data(data: str, data_dir: str | None = None) -> Spec:
     if kind == "c4":
         root = _tfds_root("c4", arg)
         if root is None:
-            raise ConfigError("data", f"{arg!r} is not a prepared TFDS directory (no dataset_info.json at it or at c4/en/3.1.0 under it); build one with `tfds build c4/en --data_dir=<dir>`")
+            raise ConfigError("data", f"{arg!r} is not a prepared TFDS directory (no dataset_info.json at it or in one c4/<config>/<version> under it); build one with `tfds build c4/en --data_dir=<dir>`")
         return Spec(data, "tfds", (), root)
     if kind in ("dolma", "jsonl") and arg:
         return Spec(data, "jsonl", _glob("data", arg))
