@@ -56,6 +56,7 @@ def precompile(todo: list[tuple[str, Any, tuple]], workers: int | None = None,
     from diloco.compile.aot import compile_parallel, compile_workers
 
     log = log if log is not None else _line
+    todo = [t for t in todo if hasattr(t[1], "lower")]  # a wrapped, un-jitted callable compiles at its first call
     t0 = time.time()
 
     def one(name, lowered, _):

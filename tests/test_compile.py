@@ -167,10 +167,10 @@ def test_paper_table_markdown_from_rows(tmp_path):
     assert back[0]["program_peaks_gib"] == "inner=1.4; eval=1.5" and back[0]["compiled_with"] == C.COMPILED_BEFORE
     assert back[1]["compiled_with"] == C.compiled_with()
     md = (tmp_path / "memory.md").read_text()
-    assert ("| 1B | DP | v5e:8x8 | 64 | replica1×data1×fsdp64 | 1,300M | 9.5 | inner | 16.0 | 41% | yes | run |"
+    assert ("| 1B | DP | v5e:8x8 | 64 | replica1×data1×fsdp64 | 1,300M | 9.5 | inner | 16.0 | 41% | yes | distinct |"
             in md)
     assert "| 35M | DP | v5e:2x2 | 4 | replica1×data1×fsdp4 | 35M | 1.5 | eval | 16.0 | 91% | inner+eval: yes | inner+eval |" in md
-    assert "Rows marked `run`: 1 of 2" in md and " ".join(C.TPU_OVERLAP_FLAGS) in md
+    assert "Rows marked `distinct`: 1 of 2" in md and " ".join(C.TPU_OVERLAP_FLAGS) in md
 
 
 def test_compiled_with_names_the_flags_and_versions():
