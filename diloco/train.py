@@ -309,8 +309,13 @@ class Run:
     # -- the loop -----------------------------------------------------------------------------------
     def precompile(self) -> None:
         """Every program this run executes, compiled before its first step, side by side (diloco/precompile.py):
-        nothing compiles at a fragment's first send, apply or merge. DILOCO_PRECOMPILE=0: at first use."""
-        if self.start >= self.cfg.steps or os.environ.get("DILOCO_PRECOMPILE", "1") == "0":
+        nothing compiles at a fragment's first send, apply or merge. On by default on TPU and GPU, where chips
+        would wait; off on CPU (toy runs and tests compile only what they use); DILOCO_PRECOMPILE=1 / 0 forces it."""
+        import jax
+
+        want = os.environ.get("DILOCO_PRECOMPILE", "")
+        on = want == "1" or (want != "0" and jax.local_devices()[0].platform != "cpu")
+        if self.start >= self.cfg.steps or not on:
             return
         from diloco.precompile import precompile, run_programs
 
