@@ -82,24 +82,28 @@ class OuterDriver:
         k = (kind, layout, donate)
         if k not in self._jit:
             sync, rep = self.sync, p  # traced for the first fragment asked for; the others pass their starts
+            group = next(g for g in sync.frags.groups() if p in g)
+            shared = len(group) > 1  # a fragment alone in its layout keeps static rows (no dynamic slices)
             if kind == "send":  # → the averaged Δ (n_p,); reads the state, writes nothing of it
                 def f(state, starts, key, contrib_R):
+                    starts = starts if shared else None
                     return self.pin_flat(sync.average(sync.delta(state.params, state.outer, rep, starts), key,
                                                       contrib_R))
                 donate_argnums = ()
             elif kind == "update":  # the state without pending, fragment p's optax state as its only opt
                 def f(state1, pending_n, starts):
+                    starts = starts if shared else None
                     params, opt_p = sync.outer_step(state1.outer.params, state1.outer.opt[0], pending_n, rep, starts)
                     return self.constrain(state1.replace(outer=state1.outer.replace(params=params, opt=(opt_p,))))
                 donate_argnums = (0,) if donate else ()
             elif kind == "merge":
                 def f(state, starts, mask_R):
+                    starts = starts if shared else None
                     return self.constrain(state.replace(params=sync.merge(state.params, state.outer, rep, mask_R,
                                                                           starts)))
                 donate_argnums = (0,) if donate else ()
             else:
                 raise ValueError(f"unknown outer operation {kind!r}")
-            group = next(g for g in sync.frags.groups() if p in g)
             f.__name__ = program_name(kind, group)  # what JAX's compile logs and events name it
             self._jit[k] = aligned_jit(f, f"{kind}-{group_name(group)}", donate_argnums=donate_argnums)
         return FragmentProgram(kind, p, self._jit[k], self.sync)
@@ -111,8 +115,11 @@ class OuterDriver:
         k = ("step+send", self.sync.frags.layout(p), variant)
         if k not in self._jit:
             sync, rep = self.sync, p
+            group = next(g for g in self.sync.frags.groups() if p in g)
+            shared = len(group) > 1  # alone in its layout: static rows
 
             def f(state, tokens, starts, key, contrib_R, *poison):
+                starts = starts if shared else None
                 delta_Rxn = sync.delta(state.params, state.outer, rep, starts)  # Δ from the step's input
                 # The barrier makes Δ a value the step cannot reach into: without it XLA fused Δ's
                 # reads of the parameters with the forward pass's (a multi-output fusion with the
@@ -123,7 +130,6 @@ class OuterDriver:
                 new, ce_R, fin_R = step(state, tokens, *poison)
                 return self.constrain(new), avg_n, ce_R, fin_R
 
-            group = next(g for g in self.sync.frags.groups() if p in g)
             f.__name__ = program_name("step+send", group)
             self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0,))
         return FragmentProgram("step+send", p, self._jit[k], self.sync)

@@ -51,12 +51,21 @@ class Fragments:
         """What a compiled program of fragment p depends on: each part's leaf and, for rows of a stacked
         leaf, their (count, stride) when they form an arithmetic progression (the rows themselves when
         not). Fragments of equal layout share one program; `starts(p)` is its argument."""
-        def rows_key(rows):
+        def rows_key(i, rows):
             if rows is None:
                 return None
-            steps = {b - a for a, b in zip(rows, rows[1:])}
-            return ("ap", len(rows), steps.pop() if steps else 1) if len(steps) <= 1 else ("rows", rows)
-        return tuple((i, rows_key(rows)) for i, rows in self.parts[p])
+            stride = self._stride(i, rows)
+            return ("ap", len(rows), stride) if stride else ("rows", rows)
+        return tuple((i, rows_key(i, rows)) for i, rows in self.parts[p])
+
+    def _stride(self, i: int, rows: tuple[int, ...]) -> int:
+        """The stride of `rows` of stacked leaf i when a program can read them at a traced start without a
+        copy: contiguous rows (stride 1: one dynamic slice), or one row in every `stride` of the whole stack
+        (count·stride = the stack's rows: one column of a (count, stride, …) view, the strided pattern);
+        0 otherwise (the fragment keeps a program of its own, with static rows)."""
+        steps = {b - a for a, b in zip(rows, rows[1:])}
+        stride = steps.pop() if len(steps) == 1 else 1 if not steps else 0
+        return stride if stride == 1 or (stride and len(rows) * stride == self.shapes[i][0]) else 0
 
     def starts(self, p: int) -> np.ndarray:
         """(parts with rows,) int32: the first row of each stacked part of fragment p."""
@@ -70,19 +79,16 @@ class Fragments:
         return tuple(tuple(g) for g in sorted(by.values()))
 
     def _windows(self, p: int, starts):
-        """(leaf index, rows, window) per part: `window(leaf)` reads the part's rows; with `starts` (a
-        traced (parts,) int32) a dynamic slice at its start, strided: the same program for every
-        fragment of this layout."""
+        """(leaf index, rows, window) per part: with `starts` (a traced (parts,) int32) a part's rows are read
+        at its start as (start, stride, count) (`_stride`): the same program for every fragment of this
+        layout; window None: static rows."""
         j = 0
         for i, rows in self.parts[p]:
             if rows is None:
                 yield i, None, None
                 continue
-            if starts is None or len({b - a for a, b in zip(rows, rows[1:])}) > 1:
-                yield i, rows, None  # static rows (no `starts`, or rows that are not a progression)
-            else:
-                stride = rows[1] - rows[0] if len(rows) > 1 else 1
-                yield i, rows, (starts[j], stride, (len(rows) - 1) * stride + 1)
+            stride = self._stride(i, rows) if starts is not None else 0
+            yield i, rows, ((starts[j], stride, len(rows)) if stride else None)
             j += 1
 
     def flatten(self, tree, p: int, starts=None) -> jax.Array:
@@ -96,9 +102,12 @@ class Fragments:
                 x = leaf
             elif win is None:
                 x = leaf[np.asarray(rows)]
-            else:
-                start, stride, span = win
-                x = jax.lax.dynamic_slice_in_dim(leaf, start, span, axis=0)[::stride]
+            elif win[1] == 1:
+                x = jax.lax.dynamic_slice_in_dim(leaf, win[0], win[2], axis=0)
+            else:  # one column of the (count, stride, …) view of the stack: no copy of other rows
+                start, stride, count = win
+                x = jax.lax.dynamic_index_in_dim(leaf.reshape((count, stride) + leaf.shape[1:]), start, axis=1,
+                                                 keepdims=False)
             chunks.append(x.reshape(-1))
         return jnp.concatenate([c.astype(jnp.float32) for c in chunks])
 
@@ -117,11 +126,12 @@ class Fragments:
                 new = vec[off:off + n].reshape(shape).astype(leaf.dtype)
                 if win is None:
                     leaves[i] = leaf.at[np.asarray(rows)].set(new)
+                elif win[1] == 1:
+                    leaves[i] = jax.lax.dynamic_update_slice_in_dim(leaf, new, win[0], axis=0)
                 else:
-                    start, stride, span = win
-                    if stride > 1:
-                        new = jax.lax.dynamic_slice_in_dim(leaf, start, span, axis=0).at[::stride].set(new)
-                    leaves[i] = jax.lax.dynamic_update_slice_in_dim(leaf, new, start, axis=0)
+                    start, stride, count = win
+                    view = leaf.reshape((count, stride) + leaf.shape[1:])
+                    leaves[i] = jax.lax.dynamic_update_index_in_dim(view, new, start, axis=1).reshape(leaf.shape)
             off += n
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
