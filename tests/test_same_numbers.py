@@ -17,6 +17,9 @@ import pytest
 
 from conftest import REPO
 
+# 14 train() runs in a subprocess (≈ 2–3 min): CI's gating e2e tier, not the default one
+pytestmark = pytest.mark.slow
+
 # name: (method, config overrides, placement); the shared settings are in SCRIPT.
 RUNS = {
     "dp": ("dp", {}, "blocking"),
