@@ -55,7 +55,6 @@ def precompile(todo: list[tuple[str, Any, tuple]], workers: int | None = None,
     ("compiling 7/12 programs, 41 s"). Returns {"programs", "seconds_wall", "workers"}."""
     from diloco.compile.aot import compile_parallel, compile_workers
 
-    log = log if log is not None else _line
     todo = [t for t in todo if hasattr(t[1], "lower")]  # a wrapped, un-jitted callable compiles at its first call
     t0 = time.time()
 
@@ -64,13 +63,13 @@ def precompile(todo: list[tuple[str, Any, tuple]], workers: int | None = None,
         return name
 
     def progress(done, total, secs):
-        log(f"compiling {done}/{total} programs, {secs:.0f} s")
+        msg = f"compiling {done}/{total} programs, {secs:.0f} s"
+        if log is not None:
+            log(msg)
+        else:  # one line on stderr, rewritten in place, ended with the last program
+            print(f"\rdiloco train: {msg}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     compile_parallel(todo, one, workers, progress)
     wall = time.time() - t0
     return {"programs": len(todo), "seconds_wall": round(wall, 1), "workers": compile_workers(workers, len(todo))}
 
-
-def _line(msg: str) -> None:
-    end = "\n" if msg.startswith("compiling ") and msg.split()[1].split("/")[0] == msg.split()[1].split("/")[1] else ""
-    print(f"\rdiloco train: {msg}", end=end, file=sys.stderr, flush=True)
