@@ -84,12 +84,13 @@ class OuterDriver:
             sync, rep = self.sync, p  # traced for the first fragment asked for; the others pass their starts
             group = next(g for g in sync.frags.groups() if p in g)
             shared = len(group) > 1  # a fragment alone in its layout keeps static rows (no dynamic slices)
-            if kind == "send":  # → the averaged Δ (n_p,); reads the state, writes nothing of it
-                def f(state, starts, key, contrib_R):
+            if kind == "send":  # → the averaged Δ (n_p,), written over p's donated pending slot
+                def f(state0, pending_n, starts, key, contrib_R):
+                    del pending_n  # donated: its buffer holds the result (the slot's old value is spent)
                     starts = starts if shared else None
-                    return self.pin_flat(sync.average(sync.delta(state.params, state.outer, rep, starts), key,
+                    return self.pin_flat(sync.average(sync.delta(state0.params, state0.outer, rep, starts), key,
                                                       contrib_R))
-                donate_argnums = ()
+                donate_argnums = (1,) if donate else ()
             elif kind == "update":  # the state without pending, fragment p's optax state as its only opt
                 def f(state1, pending_n, starts):
                     starts = starts if shared else None
@@ -118,7 +119,8 @@ class OuterDriver:
             group = next(g for g in self.sync.frags.groups() if p in g)
             shared = len(group) > 1  # alone in its layout: static rows
 
-            def f(state, tokens, starts, key, contrib_R, *poison):
+            def f(state, pending_n, tokens, starts, key, contrib_R, *poison):
+                del pending_n  # donated: the averaged Δ is written over p's old pending slot
                 starts = starts if shared else None
                 delta_Rxn = sync.delta(state.params, state.outer, rep, starts)  # Δ from the step's input
                 # The barrier makes Δ a value the step cannot reach into: without it XLA fused Δ's
@@ -131,7 +133,7 @@ class OuterDriver:
                 return self.constrain(new), avg_n, ce_R, fin_R
 
             f.__name__ = program_name("step+send", group)
-            self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0,))
+            self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0, 1))
         return FragmentProgram("step+send", p, self._jit[k], self.sync)
 
     def key(self, t: int, p: int):
@@ -180,14 +182,20 @@ class FragmentProgram:
         self.starts = np.asarray(sync.frags.starts(p))
 
     def args(self, state, *rest) -> tuple:
-        """The shared program's arguments for fragment p."""
-        if self.kind == "update":  # the state without pending, with p's optax state as its only opt
-            outer = state.outer
-            return (state.replace(outer=outer.replace(opt=(outer.opt[self.p],), pending=())),
-                    outer.pending[self.p], self.starts)
+        """The shared program's arguments for fragment p. Every kind but merge takes the state without
+        its pending slots plus p's slot alone: `update` reads it, `send` / `step+send` receive it donated
+        and write the new average over it (no second (n_p,) buffer beside the old one), and the other
+        fragments' slots never enter the program."""
+        outer = state.outer
+        bare = state.replace(outer=outer.replace(pending=()))
+        pending_n = outer.pending[self.p]
+        if self.kind == "update":  # p's optax state as the only opt
+            return bare.replace(outer=bare.outer.replace(opt=(outer.opt[self.p],))), pending_n, self.starts
         if self.kind == "step+send":
             tokens, *rest = rest
-            return (state, tokens, self.starts, *rest)
+            return (bare, pending_n, tokens, self.starts, *rest)
+        if self.kind == "send":
+            return (bare, pending_n, self.starts, *rest)
         return (state, self.starts, *rest)
 
     def __call__(self, state, *rest):
@@ -201,7 +209,8 @@ class FragmentProgram:
                                                        pending=outer.pending))
         if self.kind == "step+send":
             new, avg_n, ce_R, fin_R = out
-            return new.replace(outer=self.sync.with_pending(new.outer, p, avg_n)), ce_R, fin_R
+            outer = new.outer.replace(pending=state.outer.pending)  # the slots the program did not see
+            return new.replace(outer=self.sync.with_pending(outer, p, avg_n)), ce_R, fin_R
         return out
 
     def lower(self, state, *rest):
