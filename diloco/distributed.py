@@ -248,30 +248,6 @@ def allgather(x) -> "Any":
     return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
 
 
-def reader_blocks(sharding, shape: tuple[int, int, int], readers: int) -> list[int]:
-    """The blocks of the flattened (R·B, L) batch that this process's devices hold, when the batch's
-    R·B rows are cut into `readers` equal blocks; a ConfigError when a block's rows are spread over
-    processes (each block is read by exactly one process)."""
-    from diloco.errors import ConfigError
-
-    R, b, _ = shape
-    per = R * b // readers
-    owners: dict[int, set[int]] = {}
-    for d, idx in sharding.devices_indices_map(shape).items():
-        bs = range(b)[idx[1]]
-        for r in range(R)[idx[0]]:
-            for k in range((r * b + bs.start) // per, (r * b + bs.stop - 1) // per + 1):
-                owners.setdefault(k, set()).add(d.process_index)
-    shared = {k: sorted(p) for k, p in owners.items() if len(p) > 1}
-    if shared:
-        k, ps = next(iter(shared.items()))
-        raise ConfigError("data_readers", f"data_readers={readers}: the rows of reader block {k} are held by "
-                          f"processes {ps}; use a multiple of the {num_processes()} processes whose blocks "
-                          "each fall on one process's devices (the default, 0, is one reader per process)")
-    me = process_index()
-    return sorted(k for k, p in owners.items() if me in p)
-
-
 def global_batch(local, rows, sharding, shape: tuple[int, int, int]):
     """The (R, B, L) global batch from this process's rows only: `local[i]` is flattened row `rows[i]`."""
     import jax

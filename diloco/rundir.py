@@ -23,6 +23,10 @@ from typing import Any, Iterable
 
 from etils import epath
 
+# config keys an older config.json may hold that no longer exist: ignored when a run folder is claimed
+# (diloco sweep's staleness counts only keys both sides have). data_readers: the per-host data reader (#30)
+RETIRED_KEYS = ("data_readers",)
+
 PathLike = str | os.PathLike | epath.Path
 
 
@@ -203,10 +207,10 @@ class RunDir:
         from diloco.errors import ConfigError
 
         old = read_json(self / "config.json")
-        if old is not None and old != json.loads(cfg_json):
+        if old is not None and {k: v for k, v in old.items() if k not in RETIRED_KEYS} != json.loads(cfg_json):
             raise ConfigError("workdir", f"{self.root} holds a run with a different config; use a new --workdir "
                               "or delete it (diff the two config.json files to see what changed)")
-        if self.primary:
+        if self.primary and old is None:  # an older record (retired keys included) is kept as it was written
             atomic_write_text(self / "config.json", cfg_json)
 
     def set_aside(self) -> epath.Path | None:

@@ -167,9 +167,9 @@ class Run:
                 tr.overlap.timeline = self.timeline
         self.faults = Faults(cfg, tr.R)
         self.ck = Checkpointer(self.run.ckpt, cfg.keep_checkpoints)
-        # Each process reads only the rows of the global batch its devices hold (diloco/data/batches.py);
-        # the reader is made from the newest checkpoint's data state first, so that a data state this
-        # run cannot continue is refused before the model state is restored.
+        # Each process reads only the rows of the global batch its devices hold, from the run's token
+        # store (diloco/data/batches.py); the reader is made from the newest checkpoint's data state first,
+        # so that a data state this run cannot continue is refused before the model state is restored.
         self.batch_shape = (tr.R, cfg.batch_size // tr.R, cfg.seq_len)
         try:  # a checkpoint this run cannot use stops it (CheckpointError), unless --fresh set it aside
             self.data = train_batches(cfg, tr.batch_sharding, self.batch_shape, self.ck.latest_meta().get("data"))
@@ -273,8 +273,7 @@ class Run:
                "train_loss_replicas": self.window.take_replica_means(),
                "lr": float(self.tr.lr_schedule(t)), "bytes_exchanged": self.counters.bytes_exchanged,
                "seconds": round(self.counters.wall_seconds, 3), "tokens_per_s": round(tok_s, 1)}
-        if hasattr(self.data, "batch_hash"):  # a token store: which rows step t's global batch held
-            row["data_hash"] = self.data.batch_hash(t - 1, t)
+        row["data_hash"] = self.data.batch_hash(t - 1, t)  # which store rows step t's global batch held
         if t % cfg.eval_every == 0 or t == cfg.steps:
             if cfg.eval_drain == "every" and self.tr.driver is not None:
                 drained, row["drained_fragments"] = self.drained(t)
@@ -377,7 +376,7 @@ class Run:
         tokens_read = [int(x) for x in self.dist.allgather(np.int64(self.data.tokens_read()))]
         summary.update({
             "processes": self.dist.num_processes(), "tokens_read": tokens_read,
-            "data_readers": self.data.readers,
+            "data_store": self.data.store.fingerprint, "data_order": "store",  # reader.py's order rule (#30)
             "method": cfg.method, "scale": cfg.scale, "steps": cfg.steps, "tokens": cfg.steps * self.tokens_per_step,
             "final_eval_loss": self.eval_loss(drained), "final_eval_loss_undrained": self.eval_loss(),
             "drained_fragments": frags, "bytes_exchanged_total": c.bytes_exchanged,

@@ -6,9 +6,8 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.method = "dp"                # dp | diloco | streaming
     c.scale = "toy"                # a name from `diloco sizes`
-    c.data = "stdlib"              # stdlib | c4 | c4:<dir> | dolma | dolma:<glob> | jsonl:<glob> | text:<glob>
+    c.data = "stdlib"              # stdlib | c4 | c4:<dir> | dolma | dolma:<glob> | jsonl:<glob> | text:<glob> | tokens:<store>
     c.data_dir = ""                # TFDS data_dir for c4/dolma
-    c.data_readers = 0             # the global batch is read in this many blocks, each by one process (0: one per process)
     c.vocab = "byte"               # byte | sentencepiece:<path>
     c.seq_len = 128
     c.batch_size = 16              # global, in sequences (each replica gets batch_size / replicas)

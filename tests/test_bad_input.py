@@ -81,8 +81,7 @@ BAD = [
     Bad("zero_checkpoint_every", {"checkpoint_every": 0}, "checkpoint_every", r"0 must be ≥ 1"),
     Bad("zero_eval_batches", {"eval_batches": 0}, "eval_batches", r"0 must be ≥ 1"),
     Bad("zero_keep_checkpoints", {"keep_checkpoints": 0}, "keep_checkpoints", r"0 must be ≥ 1"),
-    Bad("data_readers", {"data_readers": 3}, "data_readers", r"3 must be 0 \(one reader per process\) or a divisor of "
-        r"the global batch 4"),
+    Bad("retired_data_readers", {"data_readers": 2}, "data_readers", r"unknown config key"),  # gone with #30
     Bad("dp_grad_dtype", {"dp_grad_dtype": "int8"}, "dp_grad_dtype", r"'int8' is not one of", method="dp"),
     Bad("remat_policy", {"model.remat_policy": "some"}, "model.remat_policy", r"'some' is not one of"),
     Bad("splash_seq_len", {"model.attention": "splash"}, "model.attention",

@@ -1,4 +1,6 @@
-"""diloco.data: specs → seqio tasks → int32 batches, on real sample data from ../shared (skipped when absent)."""
+"""diloco.data: specs → seqio tasks → a token store → int32 batches, on real sample data from ../shared (skipped
+when absent). Every spec is read through its store (diloco/data/prepare.py); the reader's order rule, epochs,
+host counts and resume are tests/test_store.py's."""
 
 import json
 import os
@@ -10,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco.data import TokenBatches, corpus_info, eval_batches, get_vocabulary, specs, tasks, validate_data
+from diloco.data import TokenBatches, corpus_info, eval_batches, get_vocabulary, specs, store_for, tasks, validate_data
+from diloco.data.store import Store, read_manifest
 from diloco.errors import ConfigError
 
 
@@ -87,42 +90,52 @@ def test_determinism():
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_resume_exact_without_reading_everything(pack, monkeypatch):
-    it = TokenBatches("stdlib", "byte", 512, 64, seed=3, pack=pack)
-    for _ in range(45):  # crosses shard boundaries (~30 packed batches per shard)
-        next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    expected = [next(it) for _ in range(5)]
-    loaded = []
-    real = tasks.tokenize_shard
-    monkeypatch.setenv("DILOCO_CACHE", "none")  # no cache: a resume must only tokenize the shard it is in (+1 prefetched)
-    monkeypatch.setattr(tasks, "tokenize_shard", lambda *a: loaded.append(a[3]) or real(*a))
-    it2 = TokenBatches("stdlib", "byte", 512, 64, seed=3, pack=pack)
-    it2.set_state(state)
-    got = [next(it2) for _ in range(5)]
-    assert all(np.array_equal(x, y) for x, y in zip(expected, got))
-    assert len(set(loaded)) <= 3 < specs.num_shards(specs.parse_data("stdlib"), "train")
+def test_every_spec_is_read_through_its_store_tokenized_once(monkeypatch):
+    """stdlib and tokens:stdlib are one store in the cache, made on first use; its train split is the
+    concatenated shards of the seqio tokenization (tasks.tokenize_shard) in source order, and a batch is
+    the store's rows at the reader's global row ids. A second reader, or a resume, tokenizes nothing."""
+    path = store_for("stdlib", "byte")
+    assert path == store_for("tokens:stdlib", "byte") and path.startswith(os.environ["DILOCO_CACHE"])
+    spec = specs.parse_data("stdlib")
+    n = specs.num_shards(spec, "train")
+    s = Store(path)
+    assert len(s.files) == n and read_manifest(path)["splits"]["train"]["docs"] == len(specs.file_split(spec, "train"))
+    first = tasks.tokenize_shard(spec, "byte", "train", 0, n)[0][:3 * 64].astype(np.int32)
+    assert np.array_equal(s.rows([0, 1, 2], 64).reshape(-1), first)
+    monkeypatch.setattr(tasks, "tokenize_shard", lambda *a: pytest.fail("tokenized again"))
+    it = TokenBatches("stdlib", "byte", 64, 8, seed=3)
+    batches = [next(it) for _ in range(4)]
+    for t, b in enumerate(batches):
+        assert np.array_equal(b, s.rows(it.step_rows(t, local=False), 64))
+    it2 = TokenBatches("tokens:stdlib", "byte", 64, 8, seed=3)
+    it2.set_state(json.loads(json.dumps({**it.get_state(), "rows_consumed": 2 * 8})))
+    assert np.array_equal(next(it2), batches[2]) and it2.get_state()["store"] == read_manifest(path)["fingerprint"]
 
 
 @needs_shared
 def test_resume_across_epochs_dolma():
+    """The two Dolma sample files (sorted by file) through their store: 100 steps cross two epochs; a resume at
+    the last step of an epoch, at its first, and in the third gives the uninterrupted batches."""
     it = TokenBatches(f"dolma:{DOLMA}", "byte", 256, 16, seed=1)
-    ref = [next(it) for _ in range(100)]  # ~38 batches per epoch
-    for k in (37, 38, 80):
+    per_epoch = it.n_rows // 16
+    assert 20 < per_epoch < 50
+    ref = [next(it) for _ in range(100)]
+    for k in (per_epoch - 1, per_epoch, 2 * per_epoch + 3):
         it2 = TokenBatches(f"dolma:{DOLMA}", "byte", 256, 16, seed=1)
         [next(it2) for _ in range(k)]
         it3 = TokenBatches(f"dolma:{DOLMA}", "byte", 256, 16, seed=1)
         it3.set_state(it2.get_state())
         assert all(np.array_equal(next(it3), ref[k + i]) for i in range(3))
-    assert it.get_state()["epoch"] >= 2
+    assert not np.array_equal(ref[0], ref[per_epoch])  # epoch 1 is another permutation
 
 
 @needs_shared
 def test_c4_tfds_byte_and_sentencepiece():
+    """The C4 sample (TFDS, 1000 + 200 documents) prepared into its store on first use, single process: row 0 is
+    the first document in source order; batches, eval batches and the vocabulary as before."""
     sp = f"sentencepiece:{SP}"
-    first = next(TokenBatches("c4", "byte", 256, 4, data_dir=str(TFDS), shuffle=False))
-    assert decode("byte", first[0]).startswith("Posted on April 12, 2018 by admin Posted in VmWare")
+    first = Store(store_for("c4", "byte", str(TFDS))).rows([0], 256)[0]
+    assert decode("byte", first).startswith("Posted on April 12, 2018 by admin Posted in VmWare")
     b = next(TokenBatches(f"c4:{TFDS / 'c4/en/3.1.0'}", sp, 128, 8))
     assert b.shape == (8, 128) and b.dtype == np.int32 and 1 <= b.min() and b.max() < 32101 and (b == 1).any()
     assert " the " in " ".join(decode(sp, r) for r in b)
@@ -131,15 +144,18 @@ def test_c4_tfds_byte_and_sentencepiece():
     assert decode(sp, ev[0][0]).startswith("The woman who died after falling from a bridge")
     info = corpus_info("c4", str(TFDS))
     assert info["examples"] == {"train": 1000, "validation": 200} and info["tfds_version"] == "3.1.0"
+    man = read_manifest(store_for("c4", sp, str(TFDS)))
+    assert man["splits"]["train"]["docs"] == 1000 and man["splits"]["validation"]["docs"] == 200
 
 
 @needs_shared
 def test_c4_jsonl_and_dolma_jsonl():
-    b = next(TokenBatches(f"jsonl:{C4_JSONL}", "byte", 512, 4, shuffle=False))
-    assert b.shape == (4, 512) and decode("byte", b[0]).startswith("Beginners BBQ Class Taking Place in Missoula!")
-    d = next(TokenBatches(f"dolma:{DOLMA}", "byte", 256, 4, shuffle=False))
+    b = Store(store_for(f"jsonl:{C4_JSONL}", "byte")).rows([0, 1], 512)
+    assert b.shape == (2, 512) and decode("byte", b[0]).startswith("Beginners BBQ Class Taking Place in Missoula!")
+    d = Store(store_for(f"dolma:{DOLMA}", "byte")).rows([0], 256)
     assert decode("byte", d[0]).startswith("We will be starting to hold weekly teleconferences")
     assert corpus_info(f"dolma:{DOLMA}")["files"] == 2
+    assert next(TokenBatches(f"jsonl:{C4_JSONL}", "byte", 512, 4)).shape == (4, 512)
 
 
 @needs_shared
@@ -165,16 +181,6 @@ def test_byte_vocab_size_and_special_ids_need_no_tensorflow():
     real = tasks.get_vocabulary("byte")  # seqio.ByteVocabulary itself
     assert out == [str(real.vocab_size), str(real.pad_id), str(real.eos_id), str(real.unk_id), "False"]
     assert get_vocabulary("byte").encode("hé") == real.encode("hé")  # everything else is seqio's
-
-
-def test_pack_false_pads_short_documents(tmp_path):
-    (tmp_path / "a.txt").write_text("hello")
-    (tmp_path / "c.txt").write_text("x" * 70)  # longer than seq_len: cut into 32 + 32 + 7 (incl. EOS)
-    b = next(TokenBatches(f"text:{tmp_path}/*.txt", "byte", 32, 8, pack=False, shuffle=False))
-    assert b.shape == (8, 32) and b.dtype == np.int32
-    assert decode("byte", b[0]) == "hello" and list(b[0, 5:7]) == [1, 0] and not b[0, 6:].any()
-    assert (b[1] > 0).all() and (b[2] > 0).all() and b[3, 6] == 1 and not b[3, 7:].any()
-    assert decode("byte", b[4]) == "hello"  # repeats over epochs
 
 
 def _write(path: Path, data: bytes) -> str:
@@ -215,18 +221,17 @@ def test_bad_inputs_name_their_field(case, tmp_path):
         TokenBatches(data, vocab, seq_len, 2, data_dir=data_dir)
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_prefetch_changes_nothing_but_timing(pack):
-    """Same batches and the same get_state() after every batch for any prefetch depth: the state is the
-    position of the batch the caller consumed, however far the background thread has run ahead."""
+def test_prefetch_changes_nothing_but_timing():
+    """Same batches, hashes and get_state() after every batch for any prefetch depth: the state is the position
+    of the batch the caller consumed, however far the background thread has read ahead."""
     runs = {}
     for k in (0, 1, 4):
-        it = TokenBatches("stdlib", "byte", 512, 64, seed=5, pack=pack, prefetch=k)
-        runs[k] = [(next(it), it.get_state()) for _ in range(45)]  # crosses a shard boundary (~30 per shard)
+        it = TokenBatches("stdlib", "byte", 512, 64, seed=5, prefetch=k)
+        runs[k] = [(next(it), it.get_state(), it.batch_hash(t, t + 1)) for t in range(12)]
         it.close()
     for k in (1, 4):
-        assert all(np.array_equal(a, b) and sa == sb for (a, sa), (b, sb) in zip(runs[0], runs[k]))
-    assert len({(s["epoch"], s["shard"]) for _, s in runs[0]}) > 1
+        assert all(np.array_equal(a, b) and sa == sb and ha == hb for (a, sa, ha), (b, sb, hb) in zip(runs[0], runs[k]))
+    assert [s["rows_consumed"] for _, s, _ in runs[0]] == [64 * (t + 1) for t in range(12)]
 
 
 def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
@@ -234,110 +239,42 @@ def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
     import threading
 
     def alive():
-        return [t for t in threading.enumerate() if t.name.startswith("TokenBatches-stdlib")]
+        return [t for t in threading.enumerate() if t.name.startswith("store-batches")]
 
+    before = set(alive())  # threads of iterators other tests left open
     it = TokenBatches("stdlib", "byte", 64, 2, prefetch=2)
     next(it)
-    assert len(alive()) == 1
+    assert len(set(alive()) - before) == 1
     it.close()
-    assert not alive()
+    assert not set(alive()) - before
     it = TokenBatches("stdlib", "byte", 64, 2, prefetch=2)
     next(it)
-    [thread] = alive()
+    [thread] = set(alive()) - before
     del it
     gc.collect()
     thread.join(timeout=300)  # a hang guard, not a measurement: the thread ends on its own
-    assert not alive()
+    assert not thread.is_alive()
 
 
 def test_prefetch_surfaces_errors_in_the_callers_thread(monkeypatch):
-    def broken(*a):
+    from diloco.data import store
+
+    def broken(self, ids, seq_len):
         raise OSError("disk on fire")
 
-    monkeypatch.setenv("DILOCO_CACHE", "none")
-    monkeypatch.setattr(tasks, "tokenize_shard", broken)
+    monkeypatch.setattr(store.Store, "rows", broken)
     it = TokenBatches("stdlib", "byte", 32, 2, prefetch=2)
     with pytest.raises(OSError, match="disk on fire"):
         next(it)
-    assert it.get_state()["batches"] == 0
+    assert it.get_state()["rows_consumed"] == 0
+    it.close()
 
 
-def test_bad_prefetch_names_its_field():
-    with pytest.raises(ConfigError) as e:
-        TokenBatches("stdlib", "byte", 64, 2, prefetch=-1)
-    assert e.value.field == "prefetch"
-
-
-def test_one_reader_is_the_whole_batch():
-    """HostBatches with one reader hands out TokenBatches' own batches (a 1-process run is unchanged)."""
-    from diloco.data import HostBatches
-
-    a, b = TokenBatches("stdlib", "byte", 64, 8, seed=5), HostBatches("stdlib", "byte", 64, 8, 1, [0], seed=5)
-    assert b.rows() == list(range(8))
-    for _ in range(3):
-        assert np.array_equal(next(a), next(b))
-    a.close(), b.close()
-
-
-def test_readers_split_shards_and_rows_and_resume(monkeypatch):
-    """4 readers: each process's blocks come from its own shards (k::4) only; the blocks of two
-    'processes' put together are the readers' batches; a resume from the gathered state continues each."""
-    from diloco.data import HostBatches
-
-    n = specs.num_shards(specs.parse_data("stdlib"), "train")
-    assert n >= 4
-    loaded: dict[int, list[int]] = {}
-    p0 = HostBatches("stdlib", "byte", 512, 256, 4, [0, 1], seed=2, prefetch=0)
-    p1 = HostBatches("stdlib", "byte", 512, 256, 4, [2, 3], seed=2, prefetch=0)
-    assert p0.rows() == list(range(128)) and p1.rows() == list(range(128, 256))
-    assert p0.shards_read() == sorted(list(range(0, n, 4)) + list(range(1, n, 4)))
-    assert set(p0.shards_read()).isdisjoint(p1.shards_read())
-    for p in (p0, p1):  # the loader of each reader only ever asks for its own shards
-        for k, part in zip(p.blocks, p.parts):
-            monkeypatch.setattr(part.store, "get", (lambda get, k: lambda i, prefetch=None: (
-                loaded.setdefault(k, []).append(i), get(i, prefetch))[1])(part.store.get, k))
-    for _ in range(40):  # crosses shard boundaries
-        x0, x1 = next(p0), next(p1)
-    assert x0.shape == (128, 512) and not np.array_equal(x0[:64], x0[64:])
-    assert all(i % 4 == k for k, ids in loaded.items() for i in ids) and sorted(loaded) == [0, 1, 2, 3]
-    assert len({i for ids in loaded.values() for i in ids}) > 4  # more than one shard per reader was read
-    assert p0.tokens_read() == p1.tokens_read() == 40 * 128 * 512
-    state = json.loads(json.dumps(p0.state(np.concatenate([p0.local_positions(), p1.local_positions()]))))
-    assert [r["reader"] for r in state["readers"]] == [[k, 4] for k in range(4)]
-    want = [np.concatenate([next(p0), next(p1)]) for _ in range(3)]
-    q0 = HostBatches("stdlib", "byte", 512, 256, 4, [0, 1], seed=2, prefetch=0)
-    q1 = HostBatches("stdlib", "byte", 512, 256, 4, [2, 3], seed=2, prefetch=0)
-    q0.set_state(state), q1.set_state(state)
-    assert all(np.array_equal(w, np.concatenate([next(q0), next(q1)])) for w in want)
-    with pytest.raises(ConfigError, match="data_readers=4"):  # a checkpoint of 4 readers, resumed with 2
-        HostBatches("stdlib", "byte", 512, 256, 2, [0], seed=2, prefetch=0).set_state(state)
-
-
-def test_readers_bad_counts_name_their_field():
-    from diloco.data import HostBatches
-
-    with pytest.raises(ConfigError, match="data_readers"):
-        HostBatches("stdlib", "byte", 64, 6, 4, [0])  # 4 readers cannot split a batch of 6
-    n = specs.num_shards(specs.parse_data("stdlib"), "validation")
-    with pytest.raises(ConfigError, match="data_readers"):
-        TokenBatches("stdlib", "byte", 64, 1, split="validation", reader=(n, n + 1))
-
-
-def test_the_shard_permutation_gathered_in_passes_is_the_documents_in_permuted_order(monkeypatch):
-    """batches.permute_documents gathers PERMUTE_DOCS documents per pass (bounded scratch at a shard boundary); the
-    stream is still document perm[0], then perm[1], … whatever the pass size."""
-    from diloco.data import batches
-
-    rng = np.random.default_rng(0)
-    lens = rng.integers(1, 9, 50)
-    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    tokens = rng.integers(3, 259, offsets[-1]).astype(np.uint16)
-    perm = rng.permutation(50)
-    want = np.concatenate([tokens[offsets[d]:offsets[d + 1]] for d in perm])
-    for per_pass in (1, 3, 7, 50, 4096):
-        monkeypatch.setattr(batches, "PERMUTE_DOCS", per_pass)
-        got, off = batches.permute_documents(tokens, offsets, perm)
-        assert np.array_equal(got, want) and off.tolist() == np.concatenate([[0], np.cumsum(lens[perm])]).tolist()
+def test_bad_prefetch_and_batch_size_name_their_field():
+    for kw, field in (({"prefetch": -1}, "prefetch"), ({"batch_size": 0}, "batch_size")):
+        with pytest.raises(ConfigError) as e:
+            TokenBatches("stdlib", "byte", 64, **{"batch_size": 2, **kw})
+        assert e.value.field == field
 
 
 def test_several_prepared_c4_copies_are_refused_naming_them(tmp_path):

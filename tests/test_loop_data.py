@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from conftest import tiny_config
-from diloco.data import TokenBatches
+from diloco.data.reader import StoreBatches
 from diloco.train import train
 from diloco.eval.runs import load_run
 from diloco.trainer import Trainer
@@ -14,12 +14,11 @@ from diloco.trainer import Trainer
 
 def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(tmp_path, monkeypatch):
     seen_global, seen_replica = [], []
-    real_next, real_fn = TokenBatches.__next__, Trainer.inner_step
+    real_next, real_fn = StoreBatches.__next__, Trainer.inner_step
 
     def rec_next(self):
         b = real_next(self)
-        if self.split == "train":
-            seen_global.append(np.array(b))
+        seen_global.append(np.array(b))  # one process: its rows are the whole global batch
         return b
 
     def rec_fn(self, active=None, jitted=True):
@@ -32,7 +31,7 @@ def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(t
             return f(state, tokens, *rest)
         return g
 
-    monkeypatch.setattr(TokenBatches, "__next__", rec_next)
+    monkeypatch.setattr(StoreBatches, "__next__", rec_next)
     monkeypatch.setattr(Trainer, "inner_step", rec_fn)
     cfg = tiny_config("diloco", replicas=2, batch_size=4, steps=4, H=2, eval_every=4, checkpoint_every=4)
     train(cfg, tmp_path / "run", progress=False)
@@ -117,3 +116,41 @@ def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_
     assert fa != fb
     with pytest.raises(ConfigError, match=f"token store {fa} .*this run reads {fb}"):
         train(cfg, tmp_path / "run", progress=False)
+
+
+def test_a_checkpoint_of_the_per_host_reader_is_refused_in_one_line_before_the_model_is_read(tmp_path, monkeypatch):
+    """A run folder written before #30 (config.json with data_readers, a checkpoint whose data state is the per-host
+    shard reader's {epoch, shard, pos, batches}): resuming stops with one ConfigError on `data` saying the order
+    changed and what to do, before the model state is restored; its config.json is left as it was. diloco sweep
+    counts such a finished point as finished (not stale: data_readers is a key the spec no longer has)."""
+    import pytest
+
+    from diloco.checkpoint import Checkpointer
+    from diloco.errors import ConfigError
+    from diloco.sweep import stale_fields
+
+    old_state = {"version": 1, "data": "stdlib", "vocab": "byte", "split": "train", "seed": 0, "pack": True,
+                 "shuffle": True, "seq_len": 32, "num_shards": 30, "content": "0123456789abcdef", "epoch": 0,
+                 "shard": 0, "pos": 256, "batches": 2}
+    real_save = Checkpointer.save
+    monkeypatch.setattr(Checkpointer, "save", lambda self, step, state, meta: real_save(self, step, state,
+                                                                                       {**meta, "data": old_state}))
+    cfg = tiny_config("dp", steps=2, eval_every=2, checkpoint_every=2, log_every=2)
+    wd = tmp_path / "run"
+    train(cfg, wd, progress=False)
+    monkeypatch.setattr(Checkpointer, "save", real_save)
+    rec = json.loads((wd / "config.json").read_text())
+    (wd / "config.json").write_text(json.dumps({**rec, "data_readers": 0}))  # as the older code wrote it
+    before = (wd / "config.json").read_text()
+    point = {"spec": "experiments/toy.py:dp", "overrides": [f"--config.{k}={v}" for k, v in
+             {"scale": "tiny", "seq_len": 32, "batch_size": 4, "steps": 2, "log_every": 2, "eval_every": 2,
+              "eval_batches": 2, "checkpoint_every": 2, "optimizer.warmup_steps": 2}.items()]}
+    assert stale_fields(point, wd) == []  # the finished point stays finished
+    assert stale_fields(point, wd, ["--config.steps=3"]) == ["steps"]  # (a changed value is still seen)
+    monkeypatch.setattr(Checkpointer, "restore", lambda *a, **k: pytest.fail("the model state was read"))
+    with pytest.raises(ConfigError) as e:
+        train(cfg, wd, progress=False)
+    msg = str(e.value)
+    assert e.value.field == "data" and "\n" not in msg, msg
+    assert "per-host shard reader" in msg and "another order" in msg and "--fresh" in msg
+    assert (wd / "config.json").read_text() == before

@@ -81,14 +81,14 @@ def test_a_store_smaller_than_a_batch_is_refused():
 
 # -- the store's rows are the corpus's tokens ----------------------------------------------------------
 def test_rows_are_the_concatenated_parts_and_tokens_equal_the_seqio_tokens(corpus, st):
-    from diloco.data import batches, specs
+    from diloco.data import specs, tasks
 
     man = store.read_manifest(st)
     s = store.Store(st, "train")
     assert len(s.files) > 1 and man["splits"]["train"]["tokens"] == s.tokens
     spec = specs.parse_data(corpus)
-    shards = batches.ShardStore(spec, "byte", "train")  # the tokens a run reads today
-    stream = np.concatenate([shards.get(i)[0] for i in range(shards.n)]).astype(np.int32)
+    n = specs.num_shards(spec, "train")  # the seqio tokenization of each source shard, in source order
+    stream = np.concatenate([tasks.tokenize_shard(spec, "byte", "train", i, n)[0] for i in range(n)]).astype(np.int32)
     assert len(stream) == s.tokens and man["splits"]["train"]["docs"] == len(specs.file_split(spec, "train"))
     L = 1000
     boundary = int(s.starts[1]) // L  # a row that continues into the second part
@@ -285,10 +285,8 @@ def _source_share(batch: np.ndarray) -> float:
 def test_a_source_sorted_jsonl_corpus_gives_every_batch_the_corpus_source_share(tmp_path):
     """Two sources, one JSONL file each (source A's text uses the letters a-m, B's n-z; B has twice A's
     documents): every global batch's share of A is within 4·sqrt(p(1-p)/B) of the corpus's share p
-    (rows are drawn by the keyed permutation over the whole store). The per-host shard reader, which
-    streams one file at a time, does not meet it."""
-    from diloco.data import TokenBatches
-
+    (rows are drawn by the keyed permutation over the whole store). The store's rows in source order (what
+    a reader streaming one file at a time, like the per-host shard reader before #30, gives) do not meet it."""
     rng = np.random.default_rng(1)
     for name, letters, n in (("a", "abcdefghijklm", 150), ("b", "nopqrstuvwxyz", 300)):
         with open(tmp_path / f"{name}.jsonl", "w") as f:
@@ -306,8 +304,8 @@ def test_a_source_sorted_jsonl_corpus_gives_every_batch_the_corpus_source_share(
     worst = max(abs(_source_share(next(it)) - p) for _ in range(s.num_rows(L) // B))
     print(f"source share p={p:.3f}: worst batch |share-p|={worst:.3f}, tolerance {tol:.3f}")
     assert worst <= tol
-    old = TokenBatches(data, "byte", L, B, seed=0, prefetch=0)
-    assert max(abs(_source_share(next(old)) - p) for _ in range(s.num_rows(L) // B)) > tol
+    in_order = s.rows(np.arange(s.num_rows(L) // B * B), L).reshape(-1, B, L)
+    assert max(abs(_source_share(b) - p) for b in in_order) > tol
 
 
 def test_preflight_checks_a_points_store_before_billing(gcs, corpus):
@@ -336,22 +334,26 @@ def test_preflight_checks_a_points_store_before_billing(gcs, corpus):
 def test_tokens_of_a_corpus_spec_is_prepared_into_the_local_cache_once(corpus, st, tmp_path, monkeypatch):
     """tokens:text:<glob> (and tokens:stdlib, tokens:jsonl:…): the store is made in $DILOCO_CACHE/stores on first
     use, with the fingerprint `diloco data tokenize` gives, and reused after that."""
-    from diloco.data import eval_batches, validate_data
+    from diloco.data import eval_batches, store_for, validate_data
 
     monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
     data = f"tokens:{corpus}"
     validate_data(data, "byte", None, 64)  # the corpus's own checks; nothing tokenized yet
     assert not (tmp_path / "cache").exists()
-    path = store.resolve(data, "byte")
+    path = store_for(data, "byte")
     assert path.startswith(str(tmp_path / "cache" / "stores"))
     assert store.read_manifest(path)["fingerprint"] == store.read_manifest(st)["fingerprint"]
     mtime = os.stat(os.path.join(path, "manifest.json")).st_mtime_ns
-    assert store.resolve(data, "byte") == path and os.stat(os.path.join(path, "manifest.json")).st_mtime_ns == mtime
+    assert store_for(data, "byte") == path and os.stat(os.path.join(path, "manifest.json")).st_mtime_ns == mtime
     ev = eval_batches(data, "byte", 64, 4, 2)
     assert np.array_equal(np.stack(ev), np.stack(reader.store_eval_batches(st, 64, 4, 2)))
     monkeypatch.setenv("DILOCO_CACHE", "none")
-    with pytest.raises(ConfigError, match="DILOCO_CACHE=none"):
-        store.resolve(data, "byte")
+    for spec in (data, corpus, "stdlib"):  # also a corpus spec read without tokens: (one path for every spec)
+        with pytest.raises(ConfigError, match="DILOCO_CACHE=none") as e:
+            store_for(spec, "byte")
+        assert e.value.field == "data" and "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match="DILOCO_CACHE=none"):
+            validate_data(spec, "byte", None, 64)  # before anything compiles
 
 
 def test_retokenizing_another_corpus_into_a_store_unpublishes_it_until_done(corpus, tmp_path, monkeypatch):
@@ -373,3 +375,92 @@ def test_retokenizing_another_corpus_into_a_store_unpublishes_it_until_done(corp
         store.tokenize(make_text_corpus(tmp_path / "c2", size=100_000), "byte", out, workers=1, progress=False)
     with pytest.raises(ConfigError, match="did not finish"):
         store.read_manifest(out)
+
+
+# -- every spec through its store: first use, locks, what is prepared where ------------------------------
+def test_concurrent_first_use_tokenizes_once_and_every_caller_reads_the_store(corpus, st, tmp_path, monkeypatch):
+    """Three callers (threads here; processes of one machine lock the same file the same way: flock) ask for the
+    store of a corpus spec at once: one tokenizes it while the others wait on the lock file, then all read it."""
+    import threading
+
+    from diloco.data import prepare
+
+    monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
+    real, calls = store.tokenize, []
+
+    def slow_tokenize(*a, **k):
+        calls.append(a[0])
+        time.sleep(0.5)  # a window in which the other callers arrive
+        return real(*a, **k)
+
+    monkeypatch.setattr(store, "tokenize", slow_tokenize)
+    got, errors = [], []
+
+    def ask():
+        try:
+            got.append(prepare.store_for(corpus, "byte"))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(got) == 3 and len(set(got)) == 1
+    assert calls == [corpus]  # tokenized once
+    assert store.read_manifest(got[0])["fingerprint"] == store.read_manifest(st)["fingerprint"]
+
+
+def _fake_tfds(root: Path, train_docs: int) -> str:
+    d = root / "c4" / "en" / "3.1.0"
+    d.mkdir(parents=True)
+    (d / "dataset_info.json").write_text(json.dumps({"name": "c4", "configName": "en", "version": "3.1.0", "splits": [
+        {"name": "train", "shardLengths": [train_docs // 2, train_docs - train_docs // 2]},
+        {"name": "validation", "shardLengths": [10]}]}))
+    return str(root)
+
+
+def test_a_tfds_corpus_is_prepared_by_a_single_small_run_only(tmp_path, monkeypatch):
+    """data=c4 without a store in the cache: a single-process run prepares a small one (≤ AUTO_TFDS_MAX_DOCS, the
+    C4 sample); a large one, or any in a multi-process run, is refused in one line before anything is tokenized,
+    naming `diloco data tokenize … --out gs://…` and --config.data=tokens:…; once the store is in the cache a
+    multi-process run reads it."""
+    from diloco.data import prepare
+
+    monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "tokenize", lambda *a, **k: pytest.fail("tokenized"))
+    small, large = _fake_tfds(tmp_path / "small", 1000), _fake_tfds(tmp_path / "large", prepare.AUTO_TFDS_MAX_DOCS + 1)
+    out = prepare.check_preparable("c4", "byte", small)  # allowed: a run would tokenize it into `out`
+    assert str(out).startswith(str(tmp_path / "cache" / "stores" / "tfds-"))
+    cases = [(large, {}, "100,011 documents"), (small, {"DILOCO_NUM_PROCESSES": "4"}, "4-process run")]
+    for data_dir, env, why in cases:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for call in (lambda: prepare.check_preparable("c4", "byte", data_dir),
+                     lambda: prepare.store_for("c4", "byte", data_dir)):
+            with pytest.raises(ConfigError) as e:
+                call()
+            msg = str(e.value)
+            assert e.value.field == "data" and "\n" not in msg and why in msg, msg
+            assert f"diloco data tokenize --data c4 --data_dir {data_dir}" in msg and "--out gs://" in msg
+            assert "--config.data=tokens:gs://" in msg
+    out.mkdir(parents=True)
+    (out / "manifest.json").write_text("{}")  # prepared before (e.g. by a single-process run on this machine)
+    assert prepare.check_preparable("c4", "byte", small) == out  # 4 processes: read, not refused
+    assert prepare.check_preparable("c4:" + small + "/c4/en/3.1.0", "byte") == out  # the same corpus, the same store
+
+
+def test_an_edited_local_corpus_gets_a_new_store(tmp_path, monkeypatch):
+    """The cache key of a local corpus holds its files' mtimes (the store's fingerprint does not): a file edited
+    in place, even to the same size, is tokenized again instead of being read stale from the cache."""
+    from diloco.data import prepare
+
+    monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
+    data = make_text_corpus(tmp_path / "c", n_train=3, n_val=1, size=5_000)
+    a = prepare.store_for(data, "byte")
+    f = sorted((tmp_path / "c").glob("*.txt"))[0]
+    f.write_text(f.read_text()[::-1])  # same size, other text
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
+    b = prepare.store_for(data, "byte")
+    assert a != b and store.read_manifest(a)["fingerprint"] != store.read_manifest(b)["fingerprint"]

@@ -1,12 +1,13 @@
-"""Config strings → seqio Tasks → int32 token batches (TensorFlow/seqio are imported lazily, on first use).
+"""Config strings → a token store (tokenized once by seqio Tasks) → int32 token batches read by global index
+(TensorFlow/seqio are imported lazily, only to tokenize).
 
 data: stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<glob> | jsonl:<glob> | text:<glob> | tokens:<store>
 vocab: byte | sentencepiece:<path>
 """
 
-from diloco.data.batches import HostBatches, TokenBatches, cache_dir, eval_batches, train_batches
+from diloco.data.batches import TokenBatches, cache_dir, eval_batches, train_batches
+from diloco.data.prepare import corpus_info, store_for, validate_data
 from diloco.data.specs import parse_data, parse_vocab
-from diloco.data.store import corpus_info, validate_data
 
 
 class Vocabulary:
@@ -38,4 +39,4 @@ def get_vocabulary(spec: str = "byte") -> Vocabulary:
     return Vocabulary(spec)
 
 
-__all__ = ["HostBatches", "TokenBatches", "cache_dir", "train_batches", "corpus_info", "eval_batches", "Vocabulary", "get_vocabulary", "parse_data", "parse_vocab", "validate_data"]
+__all__ = ["TokenBatches", "cache_dir", "train_batches", "corpus_info", "eval_batches", "store_for", "Vocabulary", "get_vocabulary", "parse_data", "parse_vocab", "validate_data"]

@@ -110,8 +110,7 @@ class StoreBatches:
         self._pool: ThreadPoolExecutor | None = None
         self._futs: dict[int, Future] = {}
         self._lock = threading.Lock()
-        # what train.py's summary / host line read (the per-host shard reader's names)
-        self.readers, self.blocks = 1, [0]
+        self._hashes: dict[int, str] = {}  # step → batch_hash(step, step + 1), filled by the prefetch thread
 
     # -- the pure part --------------------------------------------------------------------------------
     def step_rows(self, step: int, local: bool = True) -> np.ndarray:
@@ -121,13 +120,21 @@ class StoreBatches:
 
     def batch_hash(self, first: int, last: int) -> str:
         """sha256 (16 hex) of the store fingerprint, seq_len and the global rows of steps first..last-1."""
+        if last == first + 1 and first in self._hashes:  # computed beside the read, off the batch thread
+            return self._hashes[first]
         h = hashlib.sha256(f"{self.store.fingerprint}:{self.seq_len}:{self.batch_size}".encode())
         for s in range(first, last):
             h.update(self.step_rows(s, local=False).astype("<i8").tobytes())
         return h.hexdigest()[:16]
 
     def read(self, step: int) -> np.ndarray:
-        return self.store.rows(self.step_rows(step), self.seq_len)
+        """This process's rows of global step `step` (what the prefetch thread runs: the step's rows of the
+        permutation, their hash and the reads; nothing is prepared per epoch or per file)."""
+        everyone = self.step_rows(step, local=False)
+        h = hashlib.sha256(f"{self.store.fingerprint}:{self.seq_len}:{self.batch_size}".encode())
+        h.update(everyone.astype("<i8").tobytes())
+        self._hashes[step] = h.hexdigest()[:16]
+        return self.store.rows(everyone[np.asarray(self.local, np.int64)], self.seq_len)
 
     # -- iteration with prefetch ----------------------------------------------------------------------
     def rows(self) -> list[int]:
@@ -150,6 +157,8 @@ class StoreBatches:
                 fut = self._futs.pop(s)
             out = fut.result()
         self.step = s + 1
+        for k in [k for k in list(self._hashes) if k < s]:  # keep the hash of the step just handed out (its log row)
+            del self._hashes[k]
         return out
 
     def close(self) -> None:
@@ -187,9 +196,7 @@ class StoreBatches:
 
     def set_state(self, state: dict) -> None:
         """Continue at the saved row count; another store, seed, seq_len or batch size is refused."""
-        if state.get("kind") != "tokens":
-            raise ConfigError("data", "the checkpoint's data was read from a corpus by the per-host shard reader, this "
-                              f"run reads the token store {self.store.path}; resume with the checkpoint's data config")
+        refuse_foreign_state(state, self.store.path)
         if state.get("store") != self.store.fingerprint:
             raise ConfigError("data", f"the checkpoint was trained on token store {state.get('store')} "
                               f"({state.get('store_path')}), this run reads {self.store.fingerprint} ({self.store.path}); "
@@ -201,6 +208,17 @@ class StoreBatches:
             raise ConfigError("data", f"data state does not match this run ({', '.join(bad)}); resume with the same values")
         self.close()
         self.step = int(state["rows_consumed"]) // self.batch_size
+
+
+def refuse_foreign_state(state: dict, data: str) -> None:
+    """A data state this reader cannot continue: the per-host shard reader's (diloco before #30: {epoch,
+    shard, pos, batches}, or {readers: […]}), refused in one line naming what to do."""
+    if state.get("kind") != "tokens":
+        raise ConfigError("data", "the checkpoint's data position was written by the per-host shard reader (before "
+                          "#30); this version reads every corpus through a token store by global index, in another "
+                          f"order, so the run cannot continue its data stream on {data!r}: start it again with "
+                          "`diloco train --fresh` (the old checkpoints are set aside) or in a new --workdir, or "
+                          "finish it with the diloco version it started on")
 
 
 def store_eval_batches(store: str, seq_len: int, batch_size: int, num_batches: int) -> list[np.ndarray]:

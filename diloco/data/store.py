@@ -42,7 +42,8 @@ def _path(p):
     return require(os.path.expanduser(os.fspath(p)), "data")
 
 
-def _sha(obj) -> str:
+def digest(obj) -> str:
+    """sha256 hex of obj's canonical JSON."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -71,7 +72,7 @@ def source_identity(spec: specs.Spec, split: str) -> dict:
     root = spec.root or os.path.commonpath([os.path.dirname(f) for f in spec.files])
     listing = [[os.path.relpath(f, root), os.path.getsize(f)] for f in files]
     out = {"kind": spec.kind, "split": split, "files": len(files), "bytes": sum(s for _, s in listing),
-           "file_list_sha256": _sha(listing)}
+           "file_list_sha256": digest(listing)}
     if spec.kind == "jsonl":
         out["split_rule"] = f"validation = documents with farmhash(text) % 1000 < {specs.VAL_PER_MILLE}"
     elif spec.kind == "stdlib":
@@ -180,7 +181,7 @@ def tokenize(data: str, vocab: str, out: str, data_dir: str | None = None, split
     for split in splits:
         src = source_identity(spec, split)
         n = specs.num_shards(spec, split)
-        key = _sha([FORMAT, VERSION, src, vid, split, n])[:16]
+        key = digest([FORMAT, VERSION, src, vid, split, n])[:16]
         plan[split] = src, n, key, {i: m for i in range(n) if (m := _done(out, split, i, n, key))}
     if any(len(metas) < n for _, n, _, metas in plan.values()) and (root / MANIFEST).exists():
         (root / MANIFEST).unlink()  # parts are about to change: the store reads as unfinished until the new manifest
@@ -215,7 +216,7 @@ def tokenize(data: str, vocab: str, out: str, data_dir: str | None = None, split
 
 def fingerprint(man: dict) -> str:
     """sha256 of the manifest's content fields (not 'created' or the fingerprint itself), 16 hex digits."""
-    return _sha({k: v for k, v in man.items() if k not in ("fingerprint", "created")})[:16]
+    return digest({k: v for k, v in man.items() if k not in ("fingerprint", "created")})[:16]
 
 
 def read_manifest(store: str) -> dict:
@@ -324,56 +325,6 @@ class Store:
             self._pool.shutdown(wait=False)
             self._pool = None
         self._maps.clear()
-
-
-AUTO_KINDS = ("stdlib", "jsonl", "text", "dolma")  # tokens:<one of these specs>: prepared into the local cache
-
-
-def auto_spec(data: str) -> str | None:
-    """The corpus spec of 'tokens:stdlib', 'tokens:jsonl:<glob>', … (a store made on first use), else None."""
-    arg = specs.store_path(data)
-    return arg if arg is not None and (arg == "stdlib" or arg.split(":", 1)[0] in AUTO_KINDS[1:] and ":" in arg) else None
-
-
-def resolve(data: str, vocab: str, data_dir: str | None = None) -> str:
-    """The store a 'tokens:' spec reads: its path, or for tokens:<corpus spec> the store in
-    $DILOCO_CACHE/stores/ named by the corpus's identity and the vocabulary, tokenized there on first use."""
-    corpus = auto_spec(data)
-    if corpus is None:
-        return specs.store_path(data)
-    root = specs.cache_dir()
-    if root is None:
-        raise ConfigError("data", f"{data!r} is prepared into the token cache, which DILOCO_CACHE=none turns off; "
-                          "set DILOCO_CACHE to a local folder, or `diloco data tokenize` and use tokens:<store>")
-    spec = specs.parse_data(corpus, data_dir)
-    key = _sha([FORMAT, VERSION, [source_identity(spec, s) for s in specs.SPLITS], vocab_identity(vocab)])[:16]
-    out = root / "stores" / f"{spec.kind}-{key}"
-    if not (out / MANIFEST).is_file():
-        tokenize(corpus, vocab, str(out), data_dir, workers=1, progress=False)
-    return str(out)
-
-
-def validate_data(data: str, vocab: str, data_dir: str | None, seq_len: int, split: str = "train") -> None:
-    """specs.validate_data, and for 'tokens:<store>' the store's manifest checked against vocab and seq_len
-    (for tokens:<corpus spec>, the corpus spec's checks: its store is made on first read)."""
-    if specs.store_path(data) is None:
-        return specs.validate_data(data, vocab, data_dir, seq_len, split)
-    if auto_spec(data) is not None:
-        return specs.validate_data(auto_spec(data), vocab, data_dir, seq_len, split)
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
-        raise ConfigError("seq_len", f"seq_len={seq_len!r} must be an int >= 2")
-    check_store(specs.store_path(data), vocab, seq_len, splits=(split,))
-
-
-def corpus_info(data: str, data_dir: str | None = None) -> dict:
-    """specs.corpus_info, or a token store's identity (fingerprint, vocabulary, sources, counts)."""
-    if specs.store_path(data) is None:
-        return specs.corpus_info(data, data_dir)
-    if auto_spec(data) is not None:
-        return {**specs.corpus_info(auto_spec(data), data_dir), "data": data, "store": "prepared in $DILOCO_CACHE/stores"}
-    man = read_manifest(specs.store_path(data))
-    return {"data": data, "kind": "tokens", "store_fingerprint": man["fingerprint"], "vocab": man["vocab"],
-            "splits": {k: {"source": v["source"], "tokens": v["tokens"], "docs": v["docs"]} for k, v in man["splits"].items()}}
 
 
 def info(store: str) -> dict:
