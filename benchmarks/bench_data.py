@@ -5,9 +5,11 @@
 
 Supply, measured here for each corpus/vocabulary, in tokens per CPU-second (process CPU time, all
 threads: "per core", steady on a shared machine):
-  uncached  tokenizing one shard from the source (seqio/SentencePiece, or the byte fast path)
-  cached    TokenBatches over a warm token cache ($DILOCO_CACHE): loading .npz shards, the seeded
-            document shuffle and packing (batch 64x2048, prefetch off so the work is all counted)
+  uncached  tokenizing one shard from the source (seqio/SentencePiece, or the byte fast path): what
+            preparing a store costs (diloco data tokenize, or a run's first use of a corpus spec)
+  cached    TokenBatches from the corpus's token store (prepared first, in a temporary $DILOCO_CACHE):
+            the keyed row permutation and the memory-mapped reads (batch 64x2048, prefetch off so the
+            work is all counted)
 Demand at each paper scale: tokens/s = chips · MFU · peak / (6·N) (N from `diloco sizes`, vocab 32k;
 6N training FLOPs per token, attention FLOPs ignored, which only lowers demand). The table gives the
 cores a host needs to supply that with 2x headroom, from the cache and without it.
@@ -36,15 +38,13 @@ def measure(data: str, vocab: str, data_dir: str | None, batches: int) -> dict:
     uncached = len(toks) / (time.process_time() - c0)
     with tempfile.TemporaryDirectory() as d:
         os.environ["DILOCO_CACHE"] = d
-        warm = TokenBatches(data, vocab, 2048, 64, data_dir=data_dir, prefetch=0)
-        for _ in range(batches):  # fills the cache (shards are tokenized once, on first use)
-            next(warm)
-        it = TokenBatches(data, vocab, 2048, 64, data_dir=data_dir, prefetch=0)
+        it = TokenBatches(data, vocab, 2048, 64, data_dir=data_dir, prefetch=0)  # prepares the store (once)
         c0 = time.process_time()
         for _ in range(batches):
             next(it)
         cached = batches * 64 * 2048 / (time.process_time() - c0)
-        epochs = it.get_state()["epoch"]
+        epochs = it.step // max(1, it.n_rows // 64)
+        it.close()
     return {"data": data.split(":")[0], "vocab": vocab.split(":")[0], "shards": n, "shard_tokens": len(toks),
             "uncached": uncached, "cached": cached, "epochs": epochs}
 

@@ -87,7 +87,7 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
     """Same config and seed: the 2-process job logs the numbers of the 1-process run, also when the
     exchanges run on a comm device and overlap the inner steps."""
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = ([] if method == "streaming" else ["--config.replicas=2"]) + ["--config.data_readers=2"]  # as 2 hosts read
+    extra = [] if method == "streaming" else ["--config.replicas=2"]  # the batches do not depend on the process count
     r1 = _run(["train", "--config", f"experiments/toy.py:{method}", "--workdir", str(one), *TINY, *extra])
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = _run(["launch", "--processes", "2", *(["--comm_device"] if comm else []), "--logdir", str(tmp_path / "logs"),
@@ -98,6 +98,7 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
     print(f"2 processes vs 1 ({method}, comm_device={comm}): max relative difference of the logged losses {worst:.2e}")
     assert worst <= TWO_VS_ONE_REL
     assert [x["bytes_exchanged"] for x in a] == [y["bytes_exchanged"] for y in b]
+    assert [x["data_hash"] for x in a] == [y["data_hash"] for y in b]  # the same global batches (token store)
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert s2["final_eval_loss"] == pytest.approx(s1["final_eval_loss"], rel=TWO_VS_ONE_REL, abs=0)
     assert s2["versions"]["devices"] == (4 if comm else 2)  # the job really spans two processes
@@ -153,7 +154,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_the_rerun_resumes
 
 
 HOSTS = ["--config", "experiments/toy.py:streaming", *TINY, "--config.batch_size=8", "--config.mesh.data=2",
-         "--config.mesh.fsdp=2", "--config.checkpoint_every=2", "--config.data_readers=4"]
+         "--config.mesh.fsdp=2", "--config.checkpoint_every=2"]
 
 
 def _eight_devices_in_one_process(workdir) -> subprocess.CompletedProcess:
@@ -166,7 +167,8 @@ def _eight_devices_in_one_process(workdir) -> subprocess.CompletedProcess:
 @pytest.mark.multiprocess
 def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
     """replica 2 × data 2 × fsdp 2 over 4 processes: the numbers of one process with 8 devices; each
-    process read a quarter of the tokens (its own block of every batch) and only process 0 wrote."""
+    process read a quarter of the tokens (the rows its devices hold of every global batch, the same global
+    batches by their logged data_hash) and only process 0 wrote."""
     one, four = tmp_path / "one", tmp_path / "four"
     r1 = _eight_devices_in_one_process(one)
     assert r1.returncode == 0, r1.stderr[-3000:]
@@ -175,6 +177,7 @@ def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
     assert r4.returncode == 0, r4.stderr[-3000:]
     a, b = _rows(one), _rows(four)
     assert [r["step"] for r in b] == [2, 4, 6, 8]  # one row per log step: the other processes wrote none
+    assert [r["data_hash"] for r in a] == [r["data_hash"] for r in b]
     worst = max_rel_diff(a, b)
     print(f"4 processes × 2 devices vs 1 × 8: max relative difference of the logged losses {worst:.2e}")
     assert worst <= FOUR_VS_ONE_REL
@@ -185,11 +188,11 @@ def test_four_hosts_of_two_devices_match_eight_devices_in_one_process(tmp_path):
     for k in ("final_eval_loss", "final_eval_loss_undrained"):
         assert s4[k] == pytest.approx(s1[k], rel=FOUR_VS_ONE_REL, abs=0), k
     assert s4["processes"] == 4 and s4["versions"]["devices"] == 8
-    assert s4["tokens_read"] == [8 * 2 * 32] * 4  # steps × rows of its block × seq_len, per process
+    assert s4["tokens_read"] == [8 * 2 * 32] * 4  # steps × rows its 2 devices hold × seq_len, per process
     assert s1["tokens_read"] == [8 * 8 * 32]
     for i in range(1, 4):
         log = (tmp_path / "logs" / f"rank{i}.log").read_text()
-        assert f"diloco host {i}/4: devices [" in log and f"data blocks [{i}] of 4" in log
+        assert f"diloco host {i}/4: devices [" in log and f"token store {s1['data_store']}, 2 of 8 rows per step" in log
     assert "diloco host 0/4" in r4.stderr
 
 

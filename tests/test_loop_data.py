@@ -154,3 +154,22 @@ def test_a_checkpoint_of_the_per_host_reader_is_refused_in_one_line_before_the_m
     assert e.value.field == "data" and "\n" not in msg, msg
     assert "per-host shard reader" in msg and "another order" in msg and "--fresh" in msg
     assert (wd / "config.json").read_text() == before
+
+
+def test_runs_rows_say_which_data_order_a_run_read(tmp_path):
+    """runs.csv's data_order (diloco/report/records.py): a finished run recorded before #30 (no data_order in its
+    summary, a corpus spec) read the per-host shard order; one that says so, or read tokens:, the store's."""
+    from diloco.report.records import load_runs
+
+    cases = {"old": ({"data": "stdlib", "data_readers": 0}, {"final_eval_loss": 5.0}),
+             "new": ({"data": "stdlib"}, {"final_eval_loss": 5.0, "data_order": "store"}),
+             "old_store": ({"data": "tokens:gs://b/s"}, {"final_eval_loss": 5.0}),
+             "unfinished": ({"data": "stdlib"}, None)}
+    for name, (cfg, summ) in cases.items():
+        wd = tmp_path / "sw" / name
+        wd.mkdir(parents=True)
+        (wd / "config.json").write_text(json.dumps({"method": "dp", "scale": "tiny", **cfg}))
+        if summ:
+            (wd / "summary.json").write_text(json.dumps(summ))
+    got = dict(zip(*(load_runs(tmp_path)[c] for c in ("point", "data_order"))))
+    assert got == {"old": "per-host shards (before #30)", "new": "store", "old_store": "store", "unfinished": ""}

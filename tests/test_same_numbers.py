@@ -1,8 +1,14 @@
 """Same numbers through refactors: the `params_sha256` of tiny runs of every method, τ, fragment
 pattern, codec family and exchange placement (blocking / in_step / comm_device) equals the hash the
-code gave when the table below was recorded (issue #31, before the placement / codec-registry /
-resolved-plan redesign). A change to the numbers shows up here by name; an intended one updates the
-table and says so in the commit.
+code gave when the table below was recorded. A change to the numbers shows up here by name; an
+intended one updates the table and says so in the commit.
+
+Re-recorded at the #30 one-data-path commit because the data order changed, and nothing else: every spec
+is now read through its token store (`stdlib` = `tokens:stdlib`). Before the data path changed (at
+f2a883d), the same 14 configs run with `data=tokens:stdlib` gave exactly the hashes below, so `stdlib`
+now reads what `tokens:stdlib` read then and only the order of the batches moved (the command:
+this SCRIPT with `kw['data'] = 'tokens:stdlib'` added after `kw.update(over)`). The previous table
+(issue #31, recorded from d676a7d with the per-host shard reader) is in git history.
 
 All runs go through `diloco.train.train` (the loop and its summary.json) in ONE subprocess with 4
 fake CPU devices: 2 compute devices (replicas on the `replica` axis) and, for the comm_device runs, 2
@@ -44,24 +50,23 @@ RUNS = {
                                         "chips2"),
 }
 
-# Recorded from the code at d676a7d (before the #31 redesign; the tree at this test's commit gives the same).
+# Recorded at the #30 one-data-path commit (= data=tokens:stdlib at f2a883d, before it; module docstring).
 FINGERPRINT = "057c96373a9ce46a122f1c6e2280cf8b0ea45c293ed40469158331f93772fbe3"  # SCRIPT's probe, that machine
 EXPECTED = {
-    "dp": "59bc1d87b9f21e62357d6039fb106f730b106f1a1e680d06d04ef49217285064",
-    "diloco": "735a4874952358fc51ca6689083e23e302454516f7c3a31e9192709a1a2b0a93",
-    "streaming_tau0_strided_bf16": "7132c7216f2bdf817e5b883be5b0cc16c561095cde38e5296b7634714539d4aa",
-    "streaming_tau1": "45c98b3363aec6def1fc8d864675c4339736a0d613962c7dd237e06deca1999e",
-    "streaming_tau1_in_step": "45c98b3363aec6def1fc8d864675c4339736a0d613962c7dd237e06deca1999e",
-    "streaming_tau1_comm": "45c98b3363aec6def1fc8d864675c4339736a0d613962c7dd237e06deca1999e",
-    "streaming_tau2_sequential": "7080192aa9a386f653ba25d10bcbde434e7965290a5f22eb2b738595443501ae",
-    "streaming_tau2_sequential_in_step": "7080192aa9a386f653ba25d10bcbde434e7965290a5f22eb2b738595443501ae",
-    "streaming_tau2_sequential_comm": "7080192aa9a386f653ba25d10bcbde434e7965290a5f22eb2b738595443501ae",
-    "streaming_tau1_e3m0_chips2": "4ac9a665679ad7b0fc61ec3dd2fe73838d8866e333b879c5b4f720a98a787b7f",
-    "streaming_tau1_fp8_chips2": "186397ff6a624c77f94f6802c8da601f2c010dd3849469c55ea1afc54953f929",
-    # recorded from d676a7d (per-fragment programs) for the scan runs: the shared programs give the same
-    "scan_streaming_tau1": "78fe813df0550e5a96b45988e492775f970cee951633a0a6082e8f91a25d68e2",
-    "scan_streaming_tau2_sequential": "6a79ff025517af90cb6d9d96e95e275554ff59e8f6d83772a8d1fdf6aca85dc1",
-    "scan_streaming_tau1_e3m0_chips2": "807e107ccfdbd7395f1ab4c68aedc4ecd85d9040c7fec07edcf063d0e596aa40",
+    "dp": "6154015159449007f038e49a45c165ebe451d2471e8641902ec7fc6bee9e7d29",
+    "diloco": "6e9da05637bf89ddc012ee85f945689c06e5dc7048bdda9d9a6dc98d7365e5fe",
+    "streaming_tau0_strided_bf16": "acb9c28c8143ebc38e7d81cffe373950d73e6d71d39217fcdcc58c65004f1f6a",
+    "streaming_tau1": "1e32b99ea1b52cb211162ef9d6510e525a727102955a12d66aeedf38c756b065",
+    "streaming_tau1_in_step": "1e32b99ea1b52cb211162ef9d6510e525a727102955a12d66aeedf38c756b065",
+    "streaming_tau1_comm": "1e32b99ea1b52cb211162ef9d6510e525a727102955a12d66aeedf38c756b065",
+    "streaming_tau2_sequential": "05e744ae1fa9e68fcc2e9d8a7e73206550bfdef3f93234a9669d0f0f2dafec01",
+    "streaming_tau2_sequential_in_step": "05e744ae1fa9e68fcc2e9d8a7e73206550bfdef3f93234a9669d0f0f2dafec01",
+    "streaming_tau2_sequential_comm": "05e744ae1fa9e68fcc2e9d8a7e73206550bfdef3f93234a9669d0f0f2dafec01",
+    "streaming_tau1_e3m0_chips2": "fb9c9ab33c5e645aff46ec577561635529a2b0fd6dc27c34682083417af746be",
+    "streaming_tau1_fp8_chips2": "0a3f5eee5eea67568f74550a59829abff78ee845b2953d109c700cbc80014776",
+    "scan_streaming_tau1": "dcd00fa3e89b7f7f4bd9c4fb18d9b504b5a162bbc5164b133565fcda37bb9a44",
+    "scan_streaming_tau2_sequential": "d5722b3d763d5f6ddf1d88c6c07f23ea7281e00e4ed99bc5ae5d90bb6e3a71f9",
+    "scan_streaming_tau1_e3m0_chips2": "3c331320688337891658614d28f6b16f9ceb3dbc65030e3ad8facf75276caa14",
 }
 
 SCRIPT = r"""

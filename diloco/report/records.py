@@ -50,6 +50,15 @@ def _sweep_order(point: dict, cache: dict) -> dict:
     return cache[key]
 
 
+def data_order(cfg: dict, summ: dict | None) -> str:
+    """How a run's batches were ordered: 'store' (every spec read through a token store by global index, #30:
+    summary.json says data_order, or the run read tokens:) or the per-host shard reader's order before #30;
+    '' for an unfinished run of a corpus spec (its record does not say)."""
+    if (summ or {}).get("data_order") or str(cfg.get("data", "")).startswith("tokens:"):
+        return "store"
+    return "per-host shards (before #30)" if summ else ""
+
+
 def load_runs(root: str | Path) -> pd.DataFrame:
     """One row per run folder (a folder with config.json) anywhere under root."""
     rows, orders = [], {}
@@ -76,6 +85,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
                "status": "done" if summ else ("failed" if failed else "incomplete"),
                "spec": point.get("spec", ""), "command": point.get("command", "")}
         row.update({k: cfg.get(k) for k in CONFIG_COLS})
+        row["data_order"] = data_order(cfg, summ)
         row["outer_lr"] = (cfg.get("outer") or {}).get("lr") if cfg.get("method") != "dp" else None
         row["label"] = methods.paper_label(cfg)
         stem, _, arg = row["spec"].partition(":")
