@@ -36,10 +36,19 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def compile_cache() -> None:
+def compile_cache(command: str = "") -> None:
     """JAX's persistent compilation cache under $DILOCO_CACHE/jax (a user's JAX_COMPILATION_CACHE_DIR
-    wins): a second run of the same shapes loads its programs instead of compiling them again."""
-    from diloco.data.batches import cache_dir
+    wins): a second run of the same shapes loads its programs instead of compiling them again.
+    `diloco compile` runs with the cache off: what it compiles for a TPU topology without a TPU
+    cannot be loaded back (libtpu: "PjRtCompiler must be constructed with a Client"), so every entry
+    would be a write followed, on the next compile, by a warning and a compile anyway; and its
+    compile seconds must be compiles, not loads. A run on the TPU fills its own cache."""
+    if command == "compile":
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        if "jax" in sys.modules:  # called from Python after JAX started: the environment is read no more
+            sys.modules["jax"].config.update("jax_enable_compilation_cache", False)
+        return
+    from diloco.data.specs import cache_dir
     from diloco.errors import ConfigError
 
     try:
@@ -92,7 +101,7 @@ def run(argv: list[str], program: bool = False) -> int:
         print(f"diloco: unknown command {name!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     with start_up_guard(name, program):
-        compile_cache()
+        compile_cache(name)
         module = importlib.import_module(COMMANDS[name][0])  # seconds: JAX, flax, orbax…
         if name in GUARDED:
             return int(module.main(rest) or 0)

@@ -22,31 +22,18 @@ import numpy as np
 
 
 def run_programs(tr, state, tokens_RxBxL, eval_tokens_BxL=None) -> list[tuple[str, Any, tuple]]:
-    """(name, jitted, first-call arguments) of every program a run of `tr` executes from `state`, the
-    names `diloco compile` uses (aot.trainer_programs). The arguments are built as the loop builds them
-    (uncommitted keys, weights and masks; the state and batches as placed), nothing runs."""
-    from diloco.outer.driver import group_name
+    """(name, jitted, first-call arguments) of every program a run of `tr` executes from `state`:
+    `aot.run_programs` (the list `diloco compile` compiles) with the arguments built as the loop
+    builds them (uncommitted keys, weights and masks; the state and batches as placed); nothing runs."""
+    from diloco.compile.aot import run_programs as programs
 
-    todo: list[tuple[str, Any, tuple]] = [("inner", tr.inner_step(), (state, tokens_RxBxL))]
-    driver = tr.driver
-    in_step = getattr(getattr(tr, "plan", None), "exchange", None) == "in_step" or getattr(driver, "in_step", False)
-    if driver is not None and hasattr(driver, "program") and hasattr(driver, "step_program"):
-        key = driver.key(1, 0)
-        contrib = jnp.asarray(np.ones(tr.R, np.float32))
-        mask = jnp.asarray(np.ones(tr.R, bool))
-        for group in tr.sync.frags.groups():
-            p, g = group[0], group_name(group)
-            if in_step:
-                fp = driver.step_program(tr.inner_step(jitted=False), p)
-                todo.append((f"step+send {g}", fp.jitted, fp.args(state, tokens_RxBxL, key, contrib)))
-            for kind, rest in (("send", (key, contrib)), ("update", ()), ("merge", (mask,))):
-                for donate in (True, False) if kind != "send" else (True,):
-                    fp = driver.program(kind, p, donate=donate)
-                    todo.append((f"{kind} {g}" + ("" if donate else " (drained copy)"), fp.jitted,
-                                 fp.args(state, *rest)))
-    if eval_tokens_BxL is not None:
-        todo.append(("eval", tr.eval_fn(), (tr.eval_params(state), eval_tokens_BxL)))
-    return todo
+    key = tr.driver.key(1, 0) if tr.driver is not None else None
+    contrib = jnp.asarray(np.ones(tr.R, np.float32))
+    mask = jnp.asarray(np.ones(tr.R, bool))
+    evals = (tr.eval_params(state), eval_tokens_BxL) if eval_tokens_BxL is not None else None
+    todo = programs(tr, state, tokens_RxBxL, key, contrib, mask, evals)
+    return [(name, prog.jitted, prog.args(*args)) if hasattr(prog, "jitted") else (name, prog, args)
+            for name, prog, args in todo]
 
 
 def precompile(todo: list[tuple[str, Any, tuple]], workers: int | None = None,

@@ -112,10 +112,13 @@ class Layout:
         parameters are sharded (fsdp > 1); otherwise the programs are the same as without rules."""
         return self.mesh.shape["fsdp"] > 1
 
-    def in_rules(self, fn, batch_axes: tuple | None | bool = False):
+    def in_rules(self, fn, batch_axes: tuple | None | bool = False, outside_shard_map: bool = False):
         """`fn` traced with the mesh and logical rules in context, so the model's activation constraints
-        apply (flax needs the mesh set, not only `with mesh`); `batch_axes` overrides the batch rule."""
-        if not self.activation_rules():
+        apply (flax needs the mesh set, not only `with mesh`); `batch_axes` overrides the batch rule.
+        `outside_shard_map`: `fn` is not traced inside a shard_map (the evaluation), so splash
+        attention on more than one device needs the mesh to place its kernel, whatever fsdp is."""
+        splash = outside_shard_map and getattr(self.mcfg, "attention", "") == "splash" and self.mesh.devices.size > 1
+        if not (self.activation_rules() or splash):
             return fn
         rules = self.rules if batch_axes is False else (("batch", batch_axes),) + tuple(
             r for r in self.rules if r[0] != "batch")

@@ -104,10 +104,11 @@ class Trainer:
             sync = OuterSync(frags, codec_from_config(cfg),
                              outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
-            if eager_driver.wanted(cfg):  # eager updates / error feedback: their own sends (blocking)
+            if eager_driver.wanted(cfg):  # eager updates / error feedback: their own sends, the plan's placement
                 self.driver = eager_driver.EagerDriver(
                     sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau), self.R, cfg.seed,
-                    cfg.eager, self.constrain, inner_step=self.inner_step, check=check)
+                    cfg.eager, self.plan.exchange, self._overlap(sync, comm_devices, timeline), self.constrain,
+                    inner_step=self.inner_step, check=check)
             else:  # the plan's placement of each send's exchange (diloco/outer/placement.py)
                 self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
                                           self.R, cfg.seed, self.plan.exchange,
@@ -329,7 +330,8 @@ class Trainer:
         if "eval" not in self._jit:
             spec = self.eval_batch_sharding.spec
             self._jit["eval"] = aligned_jit(self.layout.in_rules(lambda params, toks: self.loss(params, toks)[1]["ce"],
-                                                                 batch_axes=spec[0] if len(spec) else None), "eval")
+                                                                 batch_axes=spec[0] if len(spec) else None,
+                                                                 outside_shard_map=True), "eval")
         return self._jit["eval"]
 
     def dp_bytes_per_replica(self) -> int:

@@ -1,5 +1,6 @@
 """`diloco compile`: the project's programs compiled for a real TPU topology on this CPU machine (libtpu)."""
 import importlib.util
+import os
 
 import pytest
 
@@ -191,10 +192,12 @@ def test_compiled_with_names_the_flags_and_versions():
 @needs_libtpu
 def test_table_programs_are_the_distinct_programs_of_a_run():
     """tiny Streaming (τ=1) on v5e:2x2: the exchange rides on the step (in_step on TPU), so a run executes
-    inner, step+send/send/update/merge per fragment layout, and eval. Without nn.scan every block is its
-    own leaf, so every fragment has its own layout (4P + 2 programs); with nn.scan (the paper's scales)
-    fragments 1…P−1 share one program per kind and the one holding the embeddings has its own: 4·2 + 2,
-    whatever P. The table compiles all of them. DiLoCo (τ=0: blocking send) has no step+send; DP only
+    inner, step+send/send/update/merge per fragment layout plus the undonated update/merge copies an
+    evaluation with a fragment in flight runs, and eval. Without nn.scan every block is its own leaf, so
+    every fragment has its own layout (6P + 2 programs); with nn.scan (the paper's scales) fragments
+    1…P−1 share one program per kind and the one holding the embeddings has its own: 6·2 + 2, whatever
+    P. The table compiles all of them. DiLoCo (τ=0: blocking send, nothing in flight) has no step+send
+    and no drained copies; DP only
     inner and eval."""
     import sys
     sys.path.insert(0, "tests")
@@ -208,13 +211,14 @@ def test_table_programs_are_the_distinct_programs_of_a_run():
                  devices=devs)
     P = tr.driver.P
     assert tr.driver.exchange == "in_step" and P >= 3 and tr.sync.frags.groups() == tuple((p,) for p in range(P))
-    assert [n for n, _, _ in C.trainer_programs(tr)] == (
-        ["inner"] + [f"{k} {p}" for p in range(P) for k in kinds] + ["eval"])
+    copies = ("update", "merge")  # τ = 1: a fragment is in flight at an evaluation, drained by undonated copies
+    per = lambda g: [f"{k} {g}" for k in kinds] + [f"{k} {g} (drained copy)" for k in copies]
+    assert [n for n, _, _ in C.trainer_programs(tr)] == ["inner"] + [n for p in range(P) for n in per(p)] + ["eval"]
     assert C.table_programs(tr) == [n for n, _, _ in C.trainer_programs(tr)]
     sc = Trainer(tiny_config("streaming", codec="bf16", batch_size=8, tau=1, layers_per_fragment=1,
                              **{"model.scan": True}), devices=devs)
     assert sc.driver.P == P and sc.sync.frags.groups() == ((0,), tuple(range(1, P)))
-    assert C.table_programs(sc) == ["inner"] + [f"{k} {g}" for g in ("0", f"1-{P - 1}") for k in kinds] + ["eval"]
+    assert C.table_programs(sc) == ["inner"] + [n for g in ("0", f"1-{P - 1}") for n in per(g)] + ["eval"]
     dl = Trainer(tiny_config("diloco", batch_size=8), devices=devs)
     assert dl.driver.exchange == "blocking" and C.table_programs(dl) == ["inner", "send 0", "update 0", "merge 0", "eval"]
     dp = Trainer(tiny_config("dp", batch_size=8), devices=devs)
@@ -600,3 +604,38 @@ def test_paper_35m_streaming_compiles_for_v5e_2x2_with_its_defaults(shared_dir):
     wire = 2 * sum(c["operand_bytes"] / (1 if c["kind"] == "all-gather" else c["group_size"]) for c in gathers)
     assert wire == rep["wire_bytes_per_replica"][1] + 2 * 4  # + each chip's f32 replica weight beside it
     assert 0 < wire - rep["bytes_per_replica"][1] <= 2 * (128 + 4)  # fragment 1 does not divide: padded
+
+
+@needs_libtpu
+def test_toy_dp_evaluation_compiles_with_splash_on_four_chips(capsys):
+    """DP at toy scale on v5e:2x2 (data 4, fsdp 1) resolves splash attention; its evaluation is traced
+    outside any shard_map, so the kernel must find the mesh there (it did not: "Mosaic kernels cannot
+    be automatically partitioned")."""
+    rc = C.main(["--config", "experiments/toy.py:dp", "--topology", "v5e:2x2", "--programs", "eval"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "resolved attention: splash" in out and "\neval " in out, out
+
+
+@needs_libtpu
+def test_diloco_compile_writes_no_persistent_cache_entries(tmp_path):
+    """`diloco compile` turns JAX's persistent compilation cache off (deviceless TPU executables cannot
+    be read back: the next compile warned "PjRtCompiler must be constructed with a Client" for each;
+    and its seconds must be compiles): with a cache configured, nothing is written to it."""
+    import jax
+
+    from diloco import cli
+
+    keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {k: getattr(jax.config, k) for k in keys}
+    env = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))  # as a user's cache would be
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        assert cli.run(["compile", "--config", "experiments/toy.py:dp", "--topology", "v5e:2x2",
+                        "--programs", "inner"]) == 0
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None) if env is None else os.environ.update(
+            JAX_ENABLE_COMPILATION_CACHE=env)
+    assert not (tmp_path / "jax").exists() or not list((tmp_path / "jax").iterdir())

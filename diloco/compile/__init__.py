@@ -6,7 +6,8 @@ ahead of time with abstract arguments (nothing is allocated, no TPU is needed):
 
   inner           one AdamW step per replica (Trainer.inner_step)
   step+send p     the inner step carrying fragment p's exchange (exchange=in_step, OuterDriver.step_program)
-  send/update/merge p   every fragment's outer operations (OuterDriver.program)
+  send/update/merge p   every fragment layout's outer operations (OuterDriver.program), and the
+                  undonated update/merge copies the drained evaluation runs when τ > 0
   eval            the evaluation loss on θᵍ (Trainer.eval_fn)
 
 For each: per-chip HBM (arguments, temporaries, outputs, peak) from `memory_analysis()`, FLOPs from
@@ -21,7 +22,7 @@ package's interface (`from diloco.compile import …`, `diloco.compile.main`).
 """
 
 from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, INSTALL_HINT, compile_one, compile_trainer, eval_batch_sharding,
-                                eval_param_sharding, model_flops_per_step, per_chip_bytes, report, text_report,
+                                eval_param_sharding, model_flops_per_step, per_chip_bytes, report, run_programs, text_report,
                                 tpu_devices, trainer_programs)
 from diloco.compile.cli import main
 from diloco.compile.hlo import (annotate_overlap, computation_flops, entry_flops, hlo_computations, instruction_runs,
@@ -38,7 +39,7 @@ __all__ = [
     # aot
     "CHIP_HBM_BYTES", "GiB", "INSTALL_HINT", "compile_one", "compile_trainer", "eval_batch_sharding",
     "eval_param_sharding", "model_flops_per_step", "per_chip_bytes", "report", "text_report", "tpu_devices",
-    "trainer_programs",
+    "run_programs", "trainer_programs",
     # cli
     "main",
     # hlo

@@ -89,12 +89,40 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
             "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
+def run_programs(tr, state, batch, key, contrib, mask, eval_args=None, inner=None) -> list[tuple]:
+    """Every program a run of `tr` executes, as (name, program, arguments of its first call), in the
+    order they are compiled: `inner`; per fragment layout (`Fragments.groups`, named by its fragments:
+    `0`, `1-7`) `step+send` (exchange=in_step: the send after step t rides on step t+1's program),
+    `send` (the blocking exchange; with in_step, the deferred send a checkpoint or the end of the run
+    settles), `update`, `merge`, and, when a fragment can be in flight at an evaluation (τ > 0), the
+    undonated copies of update / merge that the drained evaluation runs (`OuterDriver.drained`); then
+    `eval`. The one enumeration behind `diloco compile` (abstract arguments, `trainer_programs`) and
+    the run's own compile before step 1 (its real arguments, diloco/precompile.py). A fragment
+    program is an `OuterDriver` FragmentProgram (`.jitted`, `.args(state, …)`, `.lower(state, …)`)."""
+    driver = tr.driver
+    todo = [("inner", tr.inner_step() if inner is None else inner, (state, batch))]
+    if driver is not None:
+        taus = driver.schedule.taus
+        for group in tr.sync.frags.groups():  # one program per fragment layout, shared by its fragments
+            p, g = group[0], group_name(group)
+            if driver.exchange == "in_step":
+                todo.append((f"step+send {g}", driver.step_program(tr.inner_step(jitted=False), p),
+                             (state, batch, key, contrib)))
+            todo += [(f"send {g}", driver.program("send", p), (state, key, contrib)),
+                     (f"update {g}", driver.program("update", p), (state,)),
+                     (f"merge {g}", driver.program("merge", p), (state, mask))]
+            if min(taus) > 0:
+                todo.append((f"update {g} (drained copy)", driver.program("update", p, donate=False), (state,)))
+            if max(taus) > 0:
+                todo.append((f"merge {g} (drained copy)", driver.program("merge", p, donate=False), (state, mask)))
+    if eval_args is not None:
+        todo.append(("eval", tr.eval_fn(), eval_args))
+    return todo
+
+
 def trainer_programs(tr) -> list[tuple]:
-    """Every program a run of `tr` executes, as (name, jitted, abstract arguments), in the order
-    `compile_trainer` compiles them: `inner`; per fragment layout (`Fragments.groups`, named by its
-    fragments: `0`, `1-7`) `step+send` (exchange=in_step: the send after step t rides on step t+1's
-    program), `send` (the blocking exchange; with in_step, the deferred send a checkpoint or the end of
-    the run settles), `update`, `merge`; then `eval`."""
+    """`run_programs` with abstract arguments (ShapeDtypeStructs in the run's shardings): what
+    `diloco compile` and the memory table compile. Nothing is allocated."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -104,24 +132,15 @@ def trainer_programs(tr) -> list[tuple]:
     state = tr.abstract_state()
     L = cfg.seq_len
     batch = jax.ShapeDtypeStruct((tr.R, cfg.batch_size // tr.R, L), jnp.int32, sharding=tr.batch_sharding)
-    todo = [("inner", jax.jit(tr.inner_step(jitted=False), donate_argnums=(0,)), (state, batch))]
-    if tr.driver is not None:
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl)
-        contrib = jax.ShapeDtypeStruct((tr.R,), jnp.float32, sharding=repl)
-        mask = jax.ShapeDtypeStruct((tr.R,), jnp.bool_, sharding=repl)
-        for group in tr.sync.frags.groups():  # one program per fragment layout, shared by its fragments
-            p, g = group[0], group_name(group)
-            if tr.driver.exchange == "in_step":  # the send rides on the next inner step (OuterDriver.step_program)
-                todo.append((f"step+send {g}", tr.driver.step_program(tr.inner_step(jitted=False), p), (state, batch, key, contrib)))
-            todo += [(f"send {g}", tr.driver.program("send", p), (state, key, contrib)),
-                     (f"update {g}", tr.driver.program("update", p), (state,)),
-                     (f"merge {g}", tr.driver.program("merge", p), (state, mask))]
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl)
+    contrib = jax.ShapeDtypeStruct((tr.R,), jnp.float32, sharding=repl)
+    mask = jax.ShapeDtypeStruct((tr.R,), jnp.bool_, sharding=repl)
     eparams = state.outer.params if state.outer is not None else jax.tree_util.tree_map_with_path(
         lambda path, x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x, path)),
         state.params)
     ebatch = jax.ShapeDtypeStruct((cfg.batch_size // tr.R * tr.R, L), jnp.int32, sharding=eval_batch_sharding(tr))
-    todo.append(("eval", tr.eval_fn(), (eparams, ebatch)))
-    return todo
+    return run_programs(tr, state, batch, key, contrib, mask, (eparams, ebatch),
+                        inner=jax.jit(tr.inner_step(jitted=False), donate_argnums=(0,)))
 
 
 def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | None = None, tr=None,

@@ -340,7 +340,7 @@ def paper_table_main(argv: list[str]) -> int:
         use_tpu_overlap_flags()  # as `diloco train` does, before libtpu starts
     cache = args.cache
     if cache is None:
-        from diloco.data.batches import cache_dir
+        from diloco.data.specs import cache_dir
 
         cache = os.fspath(cache_dir() / "paper_table") if cache_dir() is not None else None
     elif cache.lower() in ("", "none", "off", "0"):
