@@ -210,7 +210,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
             raise ConfigError("method", "diloco is P=1, tau=0; for fragments or overlap use method=streaming")
         P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
         sched = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
-        if cfg.exchange == "in_step" and sched.tau_min < 1:
+        if cfg.exchange == "in_step" and sched.tau_min < 1 and cfg.get("eager", "off") == "off":  # eager: D rounds later
             raise ConfigError("exchange", "in_step runs a send's exchange inside the next inner step, so it needs "
                               f"tau ≥ 1 (got tau={sched.tau_min}); use exchange=blocking or exchange=auto")
         codec_from_config(cfg)
@@ -245,9 +245,6 @@ def _validate_eager(cfg) -> None:
         return
     if cfg.method == "dp":
         raise ConfigError(on[0], "applies to the outer exchange of method=diloco or streaming, not dp")
-    if cfg.exchange == "in_step":
-        raise ConfigError("exchange", f"{on[0]} runs each exchange in its own program after the step: use "
-                          "exchange=blocking or exchange=auto")
     if cfg.eager != "off" and (cfg.tau or cfg.replica_tau):
         raise ConfigError("tau", f"eager={cfg.eager} applies a round's average eager_rounds·H steps later by "
                           "construction; set --config.tau=0 (and no replica_tau)")

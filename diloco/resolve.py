@@ -103,15 +103,13 @@ def scan(cfg) -> tuple[bool, str]:
 def exchange(cfg, platform: str, mesh=None, comm_devices=None) -> tuple[str, str]:
     """(where each send's exchange runs, why): `none` for DP; a comm device per process when one is
     given and the mesh can use it (diloco/outer/overlap.py); else `in_step` (inside the next inner
-    step's program) when asked, or by `auto` on TPU/GPU, and τ ≥ 1; else `blocking` (its own program)."""
-    from diloco.outer import eager_driver
+    step's program) when asked, or by `auto` on TPU/GPU, and τ ≥ 1 or eager (whose average is read D rounds
+    later); else `blocking` (its own program)."""
     from diloco.outer.overlap import overlap_unsupported
     from diloco.outer.schedule import make_schedule
 
     if cfg.method == "dp":
         return "none", "data-parallel: gradients are reduced inside every step"
-    if eager_driver.wanted(cfg):
-        return "blocking", "eager updates / error feedback send in their own programs"
     why_not = ""
     if comm_devices:
         why_not = overlap_unsupported(mesh, comm_devices) if mesh is not None else "no mesh"
@@ -122,9 +120,11 @@ def exchange(cfg, platform: str, mesh=None, comm_devices=None) -> tuple[str, str
 
     P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
     tau_min = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau).tau_min
+    eager = cfg.get("eager", "off") != "off"  # a round's average is applied D rounds later, whatever τ
     asked = cfg.exchange == "in_step" or (cfg.exchange == "auto" and platform in ("tpu", "gpu"))
-    if asked and tau_min >= 1:
+    if asked and (tau_min >= 1 or eager):
         return "in_step", why_not + ("set in the config" if cfg.exchange == "in_step"
+                                     else f"{platform}, eager: the exchange rides on the next step" if eager
                                      else f"{platform}, τ ≥ 1: the exchange rides on the next step")
     if asked:
         return "blocking", why_not + "τ = 0: the average is applied right after the send"

@@ -534,8 +534,8 @@ def test_every_claim_definition_is_well_formed():
     for d in CLAIMS:
         assert d.kind in KINDS and d.band[0] < d.band[1], d
         assert d.sweep in FAMILIES or (d.kind == "trend" and d.sweep in ("c4_scaling", "claims_headline")), d
-        shape = {"gap": 2, "bytes_total": 2, "bytes_peak": 2, "gap_change": 2, "trend": 0}[d.kind]
+        shape = {"gap": 2, "bytes_total": 2, "bytes_peak": 2, "gap_change": 2, "recovered": 2, "trend": 0}[d.kind]
         assert len(d.compare) == shape, d
-        if d.kind == "gap_change":
+        if d.kind in ("gap_change", "recovered"):
             assert all(len(pair) == 2 for pair in d.compare), d
         assert (d.paper(p) if callable(d.paper) else d.paper), d

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from diloco.outer import codecs, eager, feedback
+from diloco.outer.sync import OuterSync
 
 
 @struct.dataclass
@@ -66,40 +67,43 @@ def decoded(codec, target_Rxn, key):
     return jax.vmap(lambda x, k: codecs.roundtrip(codec, x, k))(target_Rxn, keys_R)
 
 
-def exchange(sync, ex: Extra, p: int, delta_Rxn, key, contrib_R):
-    """(average, each replica's decoded contribution, Extra with the new residual): one send of Δ, with
-    error feedback when ex.residual is kept. A replica that does not contribute keeps all of it owed."""
+def prepare(sync, ex: Extra, p: int, delta_Rxn, key, contrib_R):
+    """The local half of a send (no traffic): (what each replica encodes, (R, n_p); its decoded contribution
+    (swap, or error feedback) else None; Extra with the new residual). With error feedback the target is
+    Δ + residual; a replica that does not contribute keeps all of it owed."""
     if ex is None or ex.residual is None:
-        avg = sync.average(delta_Rxn, key, contrib_R)
-        return avg, (decoded(sync.codec, delta_Rxn, key) if ex is not None and ex.mode == "swap" else None), ex
+        return delta_Rxn, (decoded(sync.codec, delta_Rxn, key) if ex is not None and ex.mode == "swap" else None), ex
     target = feedback.compensate(delta_Rxn, ex.residual[p])
-    avg = sync.average(target, key, contrib_R)
     sent = decoded(sync.codec, target, key)
     res = jnp.where((contrib_R > 0)[:, None], feedback.residual(target, sent), target)
-    return avg, sent, ex.replace(residual=_set(ex.residual, p, res))
+    return target, sent, ex.replace(residual=_set(ex.residual, p, res))
 
 
-def send(sync, params_R, outer, p: int, key, contrib_R):
-    """OuterSync.send with error feedback (eager off): the average into pending[p], the residual kept."""
-    ex = outer.extra
-    avg, _, ex = exchange(sync, ex, p, sync.delta(params_R, outer, p), key, contrib_R)
-    return sync.with_pending(outer, p, avg).replace(extra=ex)
+def exchange(sync, ex: Extra, p: int, delta_Rxn, key, contrib_R):
+    """(average, each replica's decoded contribution, Extra with the new residual): one send of Δ, with
+    error feedback when ex.residual is kept (`prepare`, then the exchange of what it says to encode)."""
+    target, sent, ex = prepare(sync, ex, p, delta_Rxn, key, contrib_R)
+    return sync.average(target, key, contrib_R), sent, ex
 
 
-def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
-    """Fragment p's round under eager: send Δ_m(r), step θᵍ with g_m(r) (eager.applied), merge.
-    Returns (params_R, outer); outer.pending[p] holds the round's fresh average (in flight for D rounds:
-    what the driver's finiteness check reads), the buffers hold what is applied."""
+def local(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
+    """Everything of fragment p's send that needs no traffic: (params_R, outer, target (R, n_p), what goes
+    on the wire). Error feedback only: the residual kept (params unchanged). Eager: the round stepped and
+    merged with the buffers' delayed average (eager_round), its own fresh average not yet in them. `land`
+    with the exchanged average of `target` completes it; the placements run the exchange between the two
+    (diloco/outer/eager_driver.py)."""
     ex: Extra = outer.extra
+    if ex.mode == "off":
+        target, _, ex = prepare(sync, ex, p, sync.delta(params_R, outer, p), key, contrib_R)
+        return params_R, outer.replace(extra=ex), target
     mode = ex.mode
     flat_R = jax.vmap(lambda t: sync.frags.flatten(t, p))(params_R)
     if eager.per_replica(mode):
         fresh = ex.outer[p] - flat_R
     else:
         fresh = sync.delta(params_R, outer, p)
-    avg_new, sent, ex = exchange(sync, ex, p, fresh, key, contrib_R)
+    target, sent, ex = prepare(sync, ex, p, fresh, key, contrib_R)
     old_avg, old_own = ex.avg[p][0], ex.own[p][0]
-    ex = ex.replace(avg=_set(ex.avg, p, jnp.concatenate([ex.avg[p][1:], avg_new[None]])))
     if mode == "swap":  # a replica that did not contribute (fault injection) has no share to replace later
         sent = jnp.where((contrib_R > 0)[:, None], sent, 0.0)
         ex = ex.replace(own=_set(ex.own, p, jnp.concatenate([ex.own[p][1:], sent[None]])))
@@ -108,17 +112,41 @@ def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
         mask_R = jnp.ones(flat_R.shape[0], bool)
     if not eager.per_replica(mode):  # naive: the shared θᵍ steps with the delayed average
         outer = sync.update(sync.with_pending(outer, p, old_avg).replace(extra=ex), p)
-        return sync.merge(params_R, outer, p, mask_R), sync.with_pending(outer, p, avg_new)
+        return sync.merge(params_R, outer, p, mask_R), outer, target
     upd, opt_p = sync.tx.update(g_R, ex.opt[p], ex.outer[p])
     outer_p = ex.outer[p] + upd
     ex = ex.replace(outer=_set(ex.outer, p, outer_p), opt=_set(ex.opt, p, opt_p))
 
     def one(theta, g_n, m):
-        local = sync.frags.flatten(theta, p)
-        merged = sync.alpha * local + (1.0 - sync.alpha) * g_n
-        return sync.frags.unflatten(theta, p, jnp.where(m, merged, local))
+        local_n = sync.frags.flatten(theta, p)
+        merged = sync.alpha * local_n + (1.0 - sync.alpha) * g_n
+        return sync.frags.unflatten(theta, p, jnp.where(m, merged, local_n))
 
-    return jax.vmap(one)(params_R, outer_p, mask_R), sync.with_pending(outer, p, avg_new).replace(extra=ex)
+    return jax.vmap(one)(params_R, outer_p, mask_R), outer.replace(extra=ex), target
+
+
+def land(outer, p: int, avg_n):
+    """Fragment p's exchanged average in the outer state: pending[p] (what the finiteness check reads,
+    and under error feedback alone what the apply τ steps later uses); under eager also the newest slot
+    of the D-round buffer (what round r + D applies)."""
+    ex: Extra = outer.extra
+    if ex.mode != "off":
+        outer = outer.replace(extra=ex.replace(avg=_set(ex.avg, p, jnp.concatenate([ex.avg[p][1:], avg_n[None]]))))
+    return OuterSync.with_pending(outer, p, avg_n)
+
+
+def send(sync, params_R, outer, p: int, key, contrib_R):
+    """OuterSync.send with error feedback (eager off): the average into pending[p], the residual kept."""
+    _, outer, target = local(sync, params_R, outer, p, key, contrib_R)
+    return land(outer, p, sync.average(target, key, contrib_R))
+
+
+def eager_round(sync, params_R, outer, p: int, key, contrib_R, mask_R=None):
+    """Fragment p's round under eager: send Δ_m(r), step θᵍ with g_m(r) (eager.applied), merge.
+    Returns (params_R, outer); outer.pending[p] holds the round's fresh average (in flight for D rounds:
+    what the driver's finiteness check reads), the buffers hold what is applied."""
+    params_R, outer, target = local(sync, params_R, outer, p, key, contrib_R, mask_R)
+    return params_R, land(outer, p, sync.average(target, key, contrib_R))
 
 
 def consensus(sync, outer) -> Any:

@@ -79,16 +79,22 @@ class OverlappedExchange:
         self._x: dict[int, Any] = {}
 
     # -- send --------------------------------------------------------------------------------------
-    def _prep_fn(self, p: int):
-        if p not in self._prep:
+    def _prep_fn(self, p: int, given: bool = False):
+        """(Δ, keys, weights) on the replica rows; `given`: Δ is passed in (what the eager driver's local
+        half says to encode, diloco/outer/eager_driver.py) instead of OuterSync.delta of the state."""
+        if (p, given) not in self._prep:
             jax, sync = self.jax, self.sync
 
             def prep(params_R, outer, key, contrib_R):
                 delta = sync.delta(params_R, outer, p)
                 return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
 
-            self._prep[p] = jax.jit(prep, out_shardings=(self.replica_sharding,) * 3)
-        return self._prep[p]
+            def prep_given(delta, key, contrib_R):
+                return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
+
+            self._prep[(p, given)] = jax.jit(prep_given if given else prep,
+                                             out_shardings=(self.replica_sharding,) * 3)
+        return self._prep[(p, given)]
 
     def _to_comm(self, x):
         """A replica-sharded array on the compute mesh → the same rows on the comm mesh."""
@@ -96,12 +102,16 @@ class OverlappedExchange:
         bufs = [jax.device_put(s.data, self.comm_of[s.device]) for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, self.comm_rep, bufs)
 
-    def send(self, state, p: int, key, contrib_R, t: int, finite_R=None) -> None:
-        """Dispatch fragment p's exchange; returns at once (the comm device works in the background)."""
+    def send(self, state, p: int, key, contrib_R, t: int, finite_R=None, delta=None) -> None:
+        """Dispatch fragment p's exchange; returns at once (the comm device works in the background).
+        `delta` (R, n_p): exchange this instead of OuterSync.delta of `state`."""
         if p in self.inflight:
             raise RuntimeError(f"fragment {p} sent at step {t} while its exchange from step "
                                f"{self.inflight[p].step} is still in flight (τ ≥ H?)")
-        delta, keys, w = self._prep_fn(p)(state.params, state.outer, key, contrib_R)
+        if delta is None:
+            delta, keys, w = self._prep_fn(p)(state.params, state.outer, key, contrib_R)
+        else:
+            delta, keys, w = self._prep_fn(p, given=True)(delta, key, contrib_R)
         args = [self._to_comm(a) for a in (delta, keys, w)]
         if p not in self._x:
             self._x[p] = self.jax.jit(self.xsync.exchange)

@@ -25,6 +25,9 @@ The loop (diloco/train.py) and the driver (diloco/outer/driver.py) call, for inn
 The pending check (`check(state, p, t_send, finite_R)`, the loop's NumericalFault on a non-finite
 average) is given once, at construction, and called once per send, when its average has landed.
 A new placement is a subclass with its own `send`/`step`/`land`/`settle` and a row in PLACEMENTS.
+Eager updates and error feedback (diloco/outer/eager_driver.py) use the same three: their driver's
+`program("send")` and `step_program` are its own sends, and comm_device is EagerCommDevice (the send's
+local half on the compute devices, its exchange on the comm devices).
 """
 from __future__ import annotations
 

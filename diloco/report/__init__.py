@@ -20,8 +20,9 @@ from diloco.report.claims import claims_table, write_claims
 from diloco.report.judge import verdict
 from diloco.report.plots import plot_ablation, plot_loss_curves
 from diloco.report.records import POWER, PAPER_DIR, collapse, is_difference, load_runs, read_json
-from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_table, bytes_table, eval_noise, table1,
-                                  table3, table3_outer_lr, table5, table6, which_params_eval)
+from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_table, bytes_table, eager_table2,
+                                  eager_table3, eval_noise, table1, table3, table3_outer_lr, table5, table6,
+                                  which_params_eval)
 from diloco.report.write import KEYS, compare_committed, markdown, write_if_changed, write_table
 
 # the names other code and the tests use as `report.<name>`, besides build and main
@@ -83,6 +84,17 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> Built:
                "paper's) and 1.0; `outer_params`: θ^g's eval loss (drained). Gaps are paired by seed, ± twice "
                "their standard error: `first_vs_outer_pct` is Table 3's comparison, `first_vs_avg_pct` the "
                "replicas' spread (paper: first replica 2.77, replica average 2.68: +3.36 %)."),
+              ("table2_eager", "[EU] Table 2 — overlapping a whole outer round (DiLoCo): ours beside [EU]",
+               eager_table2, ("eager_table2",),
+               "[EU] (arXiv 2502.12996) Table 2: 500M, H = 30, M = 2; ours: sweeps/eager.py:table2 (experiments/"
+               "eager.py rows; toy H = 10). `vs_none_pct`: gap to no overlap, paired by seed. [EU]'s one eager "
+               "formula is read two ways (swap, mix: docs/architecture.md), both beside its eager row; "
+               "naive_lowlr is outer lr 0.2 ([EU]'s lowered value is not stated)."),
+              ("table3_eager", "[EU] Table 3 — eager on DiLoCo vs on Streaming DiLoCo: ours beside [EU]",
+               eager_table3, ("eager_table3",),
+               "[EU] Table 3 (500M, H = 30); ours: sweeps/eager.py:table3 (DiLoCo; Streaming with 3 one-block "
+               "fragments, FP4, α = 0.5; toy H = 10). `vs_none_pct`: gap to the same base without overlap, paired "
+               "by seed; `paper_vs_none_pct` likewise from [EU]'s losses."),
               ("bytes_exchanged", "Bytes exchanged per method (total and peak per sync)", bytes_table,
                ("c4_scaling", "dolma"),
                "Bytes one replica sends, summed over replicas (DP: bf16 gradients every step). Paper: ≈400× fewer "
@@ -124,7 +136,8 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> Built:
             touched += [out / f"ablation_{sweep}.{e}" for e in ("csv", "md", "png")] + [out / f"loss_curves_{sweep}.png"]
     c = claims_table(agg, old5, run_records=df)
     if not c.empty or (out / "claims.csv").exists():  # committed rows are judged again even with no new one
-        c = write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling"))], root, prov)
+        c = write_claims(c, out, df[df.sweep.str.startswith(("claims_", "c4_scaling", "eager_", "compression_ef"))], root,
+                         prov)
         touched += [out / "claims.md", out / "claims.csv"]
         if not quiet:
             for r in c.itertuples():

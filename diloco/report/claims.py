@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from diloco.report.judge import claim_row, mark_changes, rejudge
-from diloco.report.records import CONFIDENCE, POWER, paired_stats, paper, t_quantile, welch
+from diloco.report.records import CONFIDENCE, POWER, mean_std, paired_stats, paper, t_quantile, welch
 from diloco.report.tables import which_params_by_seed
 from diloco.report.write import KEYS, markdown, merge_committed, provenance, provenance_text, write_if_changed
 
@@ -74,6 +74,8 @@ class Claim:
     non-tiny scales); `compare`: the rows compared, by `kind`:
       gap         (a, b): the gap of row a over row b in %, paired by seed;
       gap_change  ((a, b), (c, d)): gap(a over b) − gap(c over d), per seed, in percentage points;
+      recovered   ((a, ref), (b, ref)): 100·(1 − gap(a over ref) / gap(b over ref)) per seed, in %: the
+                  share of b's loss a removes (eager vs naive delay, [EU] Table 2);
       bytes_total (ours, dp): dp's total bytes / ours against the paper's ×401 scaled by H/100;
       bytes_peak  (ours, diloco): ours's peak bytes per sync / diloco's against ours's largest fragment share;
       trend       (): gap to DP at tiny − at toy (trend_row; the claims budget's from the headline rows).
@@ -93,7 +95,7 @@ class Claim:
 
 
 INF = np.inf
-KINDS = {"gap", "gap_change", "bytes_total", "bytes_peak", "trend"}
+KINDS = {"gap", "gap_change", "recovered", "bytes_total", "bytes_peak", "trend"}
 HL, FP4 = "claims_headline", "streaming_ovl_fp4_h30"
 CLAIMS: tuple[Claim, ...] = (
     Claim(HEADLINE, "Table 5", HL, (FP4, "dp"), (-1.0, 1.0), lambda p: p.range_to_dp(FP4), "band: within 1 % of DP"),
@@ -157,10 +159,36 @@ CLAIMS: tuple[Claim, ...] = (
           ("swap", "naive"), (-INF, -1.0), "2.69 vs 3.01: −10.6 %", "band: ≤ −1 %; swap reading"),
     Claim("[EU] eager (mix) recovers most of it: beats naive delay", "[EU] Table 2", "eager_table2",
           ("mix", "naive"), (-INF, -1.0), "2.69 vs 3.01: −10.6 %", "band: ≤ −1 %; mix reading"),
+    Claim("[EU] eager (swap) recovers most of the naive delay's loss", "[EU] Table 2", "eager_table2",
+          (("swap", "none"), ("naive", "none")), (50.0, INF), "(3.01 − 2.69) / (3.01 − 2.67): 94 % recovered",
+          "100·(1 − gap(eager over none) / gap(naive over none)) per seed; band: > 50 %; swap reading", "recovered"),
+    Claim("[EU] eager (mix) recovers most of the naive delay's loss", "[EU] Table 2", "eager_table2",
+          (("mix", "none"), ("naive", "none")), (50.0, INF), "(3.01 − 2.69) / (3.01 − 2.67): 94 % recovered",
+          "100·(1 − gap(eager over none) / gap(naive over none)) per seed; band: > 50 %; mix reading", "recovered"),
+    Claim("[EU] eager (swap) stays within 1 % of no overlap (DiLoCo)", "[EU] Table 2", "eager_table2",
+          ("swap", "none"), (-INF, 1.0), "2.69 vs 2.67: +0.7 % (500M, H=30)",
+          "band: ≤ +1 %; toy H = 10 and 200 steps: 20 rounds, so one round late is a larger share of training"),
+    Claim("[EU] a 2-round delay costs more than 1 round (eager swap)", "[EU] Table 2", "eager_table2",
+          ("swap2", "swap"), (0.0, INF), "2.73 vs 2.69: +1.5 %", "band: > 0"),
     Claim("[EU] eager costs more on Streaming than on DiLoCo", "[EU] Table 3", "eager_table3",
           (("swap,streaming", "none,streaming"), ("swap,diloco", "none,diloco")), (0.0, INF),
           "+1.5 % vs +0.4 %: +1.1 pp", "(eager − no overlap on Streaming) − (same on DiLoCo), pp; swap reading",
           "gap_change"),
+    Claim("[EU] eager (mix) costs more on Streaming than on DiLoCo", "[EU] Table 3", "eager_table3",
+          (("mix,streaming", "none,streaming"), ("mix,diloco", "none,diloco")), (0.0, INF),
+          "+1.5 % vs +0.4 %: +1.1 pp", "(eager − no overlap on Streaming) − (same on DiLoCo), pp; mix reading",
+          "gap_change"),
+    # beyond [SD]: 2-bit outer gradients ± error feedback (sweeps/compression.py:tiny,ef; the Streaming
+    # ablation model, overlapped, α = 0.5); rows named by experiments/ablate_compression.py's scheme
+    Claim("2-bit (int2) outer gradients = FP32", "beyond [SD] (Fig. 11's band)", "compression_ef",
+          ("int2", "fp32"), (-0.5, 0.5), "no 2-bit row in [SD]; FP4 = FP32 (Fig. 11)", "band: ±0.5 %, FP4's"),
+    Claim("2-bit (int2) with error feedback = FP32", "MuLoCo / SparseLoCo (#33)", "compression_ef",
+          ("int2_ef", "fp32"), (-0.5, 0.5), "MuLoCo: 2-bit with error feedback nearly matches full precision",
+          "band: ±0.5 %"),
+    Claim("Error feedback helps 2-bit outer gradients", "MuLoCo / SparseLoCo (#33)", "compression_ef",
+          ("int2_ef", "int2"), (-INF, 0.0), "the methods below 4 bits all use error feedback", "band: < 0"),
+    Claim("Error feedback leaves FP4 at FP32's loss", "beyond [SD]", "compression_ef",
+          ("fp4_ef", "fp32"), (-0.5, 0.5), "FP4 = FP32 without it (Fig. 11)", "band: ±0.5 %"),
 )
 BY_CLAIM = {d.claim: d for d in CLAIMS}
 
@@ -200,6 +228,9 @@ FAMILIES = {  # in the order their rows are written
     "eager_table3": Family(
         lambda r: ",".join(r.point.split("+")[1:3]),
         lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps, H={int(g.H.iloc[0])})"),
+    "compression_ef": Family(
+        lambda r: r.point.split("+")[1],
+        lambda sw, g: f"{sw} ({int(g.steps.iloc[0])} steps, H={int(g.H.iloc[0])}, {int(g.fragments.iloc[0])} fragments)"),
 }
 
 
@@ -265,6 +296,10 @@ def evaluate(d: Claim, s: SweepRows, p: PaperNumbers) -> dict | None:
         (a, b), (c, e) = d.compare
         mean, sd, n = paired_stats(_seed_gaps(s.losses(a), s.losses(b)), _seed_gaps(s.losses(c), s.losses(e)),
                                    pct=False)
+    elif d.kind == "recovered":
+        (a, b), (c, e) = d.compare
+        ga, gc = _seed_gaps(s.losses(a), s.losses(b)), _seed_gaps(s.losses(c), s.losses(e))
+        mean, sd, n = mean_std([100 * (1 - ga[k] / gc[k]) for k in sorted(set(ga) & set(gc)) if gc[k]])
     else:  # "trend" rows are made by trend_row from two scales, not from one sweep
         raise ValueError(f"claim {d.claim!r}: kind {d.kind!r} is not one of {sorted(KINDS - {'trend'})}")
     if mean is None or not np.isfinite(mean):  # a comparison whose runs are absent: no row
@@ -394,6 +429,10 @@ def write_claims(c: pd.DataFrame, out: Path, runs: pd.DataFrame, root: Path, pro
         k = pd.DataFrame([rejudge(r) for r in c.iloc[len(c) - kept:].to_dict("records")])
         c = pd.concat([c.iloc[:len(c) - kept], k], ignore_index=True)
     c = mark_changes(scale_trend(c.reindex(columns=COLUMNS)), old)
+    if old is not None and "claim" in old:  # the committed rows keep their places; claims new to it follow
+        place = {k: i for i, k in enumerate(old.claim)}
+        c = c.iloc[sorted(range(len(c)), key=lambda i: (place.get(c.claim.iloc[i], len(place)), i))]
+        c = c.reset_index(drop=True)
     for k in ("changed_from", "seeds_needed"):  # text ('' when none), also where the CSV read them as NaN / 34.0
         c[k] = [str(int(x)) if isinstance(x, float) and x.is_integer() else "" if pd.isna(x) else str(x) for x in c[k]]
     c["n"] = c["n"].astype(int)

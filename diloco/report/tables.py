@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -322,3 +323,63 @@ def ablation_table(g: pd.DataFrame) -> pd.DataFrame:
     t["bytes_peak_per_sync"] = g.get("bytes_peak_per_sync")
     t["fragments"] = g.get("fragments")
     return t.reset_index(drop=True)
+
+
+# -- [EU] Tables 2 and 3: ours beside theirs --------------------------------------------------------------
+# experiments/eager.py's rows → [EU]'s settings (results/paper/ablations.csv); swap and mix are two readings
+# of [EU]'s one eager formula (docs/architecture.md), so both sit beside its eager row.
+EU_SETTING = {"none": "no_overlap", "inner": "inner_1step", "naive": "outer_1step_delayed",
+              "naive_lowlr": "outer_1step_delayed_lower_lr", "swap": "outer_1step_eager", "mix": "outer_1step_eager",
+              "swap2": "outer_2step_eager", "mix2": "outer_2step_eager"}
+
+
+def _eager_rows(g: pd.DataFrame, ref: pd.Series | None, paper_loss: Callable, paper_ref: float) -> list[dict]:
+    out = []
+    ref_losses = (ref.losses or {}) if ref is not None else {}
+    for r in g.itertuples():
+        gap, unc, n_pair = paired_gap_pct(r.losses or {}, ref_losses)
+        pl = paper_loss(r)
+        out.append({"n": int(r.n), "eval_loss": r.final_eval_loss, "eval_loss_std": r.eval_loss_std,
+                    "vs_none_pct": gap, "vs_none_pct_unc": unc, "paper_setting": EU_SETTING.get(r.arg_row, ""),
+                    "paper_eval_loss": pl, "paper_vs_none_pct": _pct(pl, paper_ref)})
+    return out
+
+
+def eager_table2(df: pd.DataFrame) -> pd.DataFrame:
+    """[EU] Table 2 (overlap variants on DiLoCo, 500M, H = 30) beside ours (sweeps/eager.py:table2): eval
+    loss per row over its seeds and its gap to no overlap, paired by seed; [EU]'s loss and gap."""
+    runs = df[df.sweep.str.startswith("eager_table2") & (df.status == "done")]
+    if runs.empty or "arg_row" not in runs:
+        return pd.DataFrame()
+    p = paper("ablations")
+    p = p[(p.source == "eager_updates_v1:table2") & (p.metric == "eval_loss")].set_index("setting").value
+    order = list(EU_SETTING)
+    out = []
+    for (sweep, scale), g in runs.groupby(["sweep", "scale"], sort=False):
+        g = g.assign(_o=[order.index(x) if x in order else len(order) for x in g.arg_row]).sort_values("_o")
+        ref = next((r for _, r in g.iterrows() if r.arg_row == "none"), None)
+        rows = _eager_rows(g, ref, lambda r: p.get(EU_SETTING.get(r.arg_row), np.nan), p.get("no_overlap", np.nan))
+        out += [{"scale": scale, "row": r.arg_row, "H": r.H, "M": r.replicas, "steps": r.steps, **x}
+                for r, x in zip(g.itertuples(), rows)]
+    return pd.DataFrame(out)
+
+
+def eager_table3(df: pd.DataFrame) -> pd.DataFrame:
+    """[EU] Table 3 (eager on DiLoCo vs on Streaming DiLoCo) beside ours (sweeps/eager.py:table3): per base,
+    each row's gap to that base's no overlap, paired by seed; [EU]'s loss and gap."""
+    runs = df[df.sweep.str.startswith("eager_table3") & (df.status == "done")]
+    if runs.empty or "arg_row" not in runs:
+        return pd.DataFrame()
+    p = paper("ablations")
+    p = p[(p.source == "eager_updates_v1:table3") & (p.metric == "eval_loss")].set_index(["method", "setting"]).value
+    order = list(EU_SETTING)
+    out = []
+    for (sweep, scale, base), g in runs.groupby(["sweep", "scale", "arg_base"], sort=False):
+        g = g.assign(_o=[order.index(x) if x in order else len(order) for x in g.arg_row]).sort_values("_o")
+        ref = next((r for _, r in g.iterrows() if r.arg_row == "none"), None)
+        rows = _eager_rows(g, ref, lambda r, b=base: p.get((b, EU_SETTING.get(r.arg_row)), np.nan),
+                           p.get((base, "no_overlap"), np.nan))
+        out += [{"scale": scale, "base": base, "row": r.arg_row, "H": r.H, "fragments": r.fragments, **x}
+                for r, x in zip(g.itertuples(), rows)]
+    return pd.DataFrame(out)
+

@@ -40,7 +40,8 @@ def markdown(df: pd.DataFrame) -> str:
 # Each table's row key: merge_committed keeps the committed rows whose key this build does not write.
 KEYS = {"table5_c4_scaling": ("scale", "method", "M"), "table6_replicas_h": ("scale", "method"),
         "table1_dolma_overtraining": ("tokens", "method"), "table3_which_params": ("scale", "params_evaluated"),
-        "table3_outer_lr": ("sweep", "outer_lr"), "bytes_exchanged": ("sweep", "scale", "setting"), "claims": ("claim",), "runs": ("sweep", "point")}
+        "table3_outer_lr": ("sweep", "outer_lr"), "bytes_exchanged": ("sweep", "scale", "setting"),
+        "table2_eager": ("scale", "row"), "table3_eager": ("scale", "base", "row"), "claims": ("claim",), "runs": ("sweep", "point")}
 
 
 def merge_committed(new: pd.DataFrame, old_csv: Path, key: tuple[str, ...]) -> tuple[pd.DataFrame, int]:
