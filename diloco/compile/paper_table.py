@@ -71,7 +71,7 @@ def compiled_with(flags: list[str] | None = None) -> str:
 
 
 def table_programs(tr) -> list[str]:
-    """The programs a row compiles: every distinct program a run of `tr` executes (`trainer_programs`:
+    """The programs a row compiles: every distinct program a run of `tr` executes (`run_programs`:
     one per fragment layout, so the embeddings' fragment and the fragments of blocks only)."""
     return [name for name, _, _ in trainer_programs(tr)]
 
@@ -258,12 +258,14 @@ def write_table(rows: list[dict], out_dir: str) -> None:
              "compiles with ≥10% headroom (smaller slices tried and failed are in the note). Compiled for the "
              "TPU topology with libtpu on a CPU host.", "",
              "**What is compiled** (column *compiled* = `run`): every program a run of the method executes "
-             "(`diloco.compile.aot.trainer_programs`, the list `diloco compile` compiles): DP `inner` and `eval`; "
+             "(`diloco.compile.aot.run_programs`, the list `diloco compile` compiles): DP `inner` and `eval`; "
              "DiLoCo `inner`, the whole-model `send 0`, `update 0`, `merge 0` and `eval`; Streaming (exchange "
              "in_step on TPU) `inner`, `step+send` (the step that carries the exchange), `send` (the deferred "
              "send a checkpoint settles), `update`, `merge` once per fragment layout (`0`: the fragment holding the "
              "embeddings; `1-7`: the fragments of blocks only, one program shared with the fragment's row start "
-             "as an argument) and `eval`: *distinct programs* of them, compiled in parallel in *compile wall s* "
+             "as an argument), the undonated `update`/`merge` copies an evaluation runs while a fragment is in "
+             "flight (τ > 0: `update 0 (drained copy)`), and `eval`: *distinct programs* of them, compiled in "
+             "parallel in *compile wall s* "
              "on the machine in *compiled on*. Peak = the largest per-device peak of those programs (eval adds the rest of the resident "
              "state), named in *peak program*; fits = peak ≤ 90% of device HBM. **With the flags a run sets**: "
              "`LIBTPU_INIT_ARGS` = `" + " ".join(TPU_OVERLAP_FLAGS) + "` (`diloco.compile.use_tpu_overlap_flags`, "
