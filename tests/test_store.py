@@ -464,3 +464,22 @@ def test_an_edited_local_corpus_gets_a_new_store(tmp_path, monkeypatch):
     os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
     b = prepare.store_for(data, "byte")
     assert a != b and store.read_manifest(a)["fingerprint"] != store.read_manifest(b)["fingerprint"]
+
+
+def test_two_processes_preparing_one_store_tokenize_it_once(tmp_path):
+    """The same with two real processes started together (as `diloco launch --processes 2` on one machine):
+    exactly one of them tokenizes (each reports it), both get the store, which has the uninterrupted fingerprint."""
+    data = make_text_corpus(tmp_path / "c", n_train=3, n_val=1, size=5_000)
+    code = ("import sys; from diloco.data import prepare, store; real = store.tokenize\n"
+            "def wrapped(*a, **k):\n    print('TOKENIZED', flush=True); return real(*a, **k)\n"
+            f"store.tokenize = wrapped; print('STORE', prepare.store_for({data!r}, 'byte'))")
+    env = dict(os.environ, DILOCO_CACHE=str(tmp_path / "cache"), DILOCO_TOKENIZE_PAUSE_S="1.5")  # 2 parts: 3 s
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    assert sum(o.count("TOKENIZED") for o, _ in outs) == 1
+    paths = {line.split(" ", 1)[1] for o, _ in outs for line in o.splitlines() if line.startswith("STORE ")}
+    assert len(paths) == 1
+    ref = store.tokenize(data, "byte", str(tmp_path / "ref"), workers=1, progress=False)
+    assert store.read_manifest(paths.pop())["fingerprint"] == ref["fingerprint"]
