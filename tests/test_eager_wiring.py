@@ -102,7 +102,7 @@ def test_eager_sweep_points_validate():
 
     for group in ("table2", "table3"):
         s = load_sweep(f"sweeps/eager.py:{group},tiny")
-        assert len(s["points"]) == (8 if group == "table2" else 6) * 3  # × 3 seeds
+        assert len(s["points"]) == (8 if group == "table2" else 6) * 8  # × 8 seeds
         assert s["name"] == f"eager_{group}_tiny"
         for p in s["points"]:
             validate(load_config(p["spec"], p["overrides"]), check_data=False)
