@@ -134,23 +134,7 @@ def test_arrays_that_may_be_empty_are_expanded_in_the_bash32_guard_form(tmp_path
     assert r.stdout == "<x><y>"
 
 
-# -- #12, #13: data and slices ----------------------------------------------------------------------
-def test_several_c4_copies_are_refused_naming_them_and_one_is_printed(tmp_path):
-    info = '{"name": "c4"}'
-    for d in ("c4/en/3.0.1", "c4/realnewslike/3.0.1"):
-        (tmp_path / d).mkdir(parents=True)
-        (tmp_path / d / "dataset_info.json").write_text(info)
-    found = preflight.tfds_candidates(str(tmp_path), "c4")
-    assert [f.rsplit("/c4/", 1)[1] for f in found] == ["en/3.0.1", "realnewslike/3.0.1"]
-    with pytest.raises(ConfigError) as e:
-        preflight.check_tfds_choice(found, "c4", "p", "c4")
-    msg = str(e.value)
-    assert e.value.field == "data" and "c4/en/3.0.1, c4/realnewslike/3.0.1" in msg
-    assert f"--set data=c4:{tmp_path}/c4/en/3.0.1" in msg and "3.1.0" in msg and "requester-pays" in msg
-    exact = preflight.tfds_candidates(f"{tmp_path}/c4/en/3.0.1", "c4")
-    assert preflight.check_tfds_choice(exact, "c4:x", "p", "c4") == f"{tmp_path}/c4/en/3.0.1"
-
-
+# -- #13: slices (#12's choice among several C4 copies is made by `diloco data tokenize`: specs._tfds_root) ----
 @pytest.mark.parametrize("acc,slices,warned", [("v5p-8", 2, True), ("v5litepod-8", 2, True), ("v5litepod-4", 3, True),
                                                ("v5p-16", 2, False), ("v5p-8", 1, False)])
 def test_multislice_over_one_host_slices_is_warned_with_the_reason(acc, slices, warned):

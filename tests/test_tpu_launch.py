@@ -139,13 +139,42 @@ def test_hosts_that_do_not_divide_the_replicas_are_refused(tmp_path, capsys, rec
     assert "48 processes do not divide replicas=32" in err
 
 
-def test_a_c4_point_without_a_dataset_on_gs_is_refused(tmp_path, capsys, recorder):
+def test_a_tfds_point_is_refused_on_any_slice_naming_the_store_to_make(tmp_path, capsys, recorder):
+    """c4, c4:<dir> and dolma (TFDS) would be tokenized on the TPU hosts: refused before anything (no gcloud, no
+    bundle), on one host as on four, naming `diloco data tokenize` and --set data=tokens:gs://…; a store on this
+    machine's disk is refused too."""
     f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8"])
-    assert "data_dir: point default:" in err and "~/tensorflow_datasets" in err and "--set data_dir=gs://" in err
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8",
-                                                "--set", f"data_dir={tmp_path}"])
-    assert "data_dir: point default:" in err and "this machine's disk" in err
+    argv = [str(f), "--root", "gs://bkt/r", "--set", "vocab=byte"]
+    for acc, over, src in [("v5p-8", [], "c4"), ("v5p-32", ["data_dir=gs://bkt/tfds"], "c4 --data_dir gs://bkt/tfds"),
+                           ("v5p-8", ["data=c4:gs://bkt/tfds/c4/en/3.0.1"], "c4:gs://bkt/tfds/c4/en/3.0.1"),
+                           ("v5p-16", ["data=dolma", "data_dir=gs://bkt/tfds"], "dolma --data_dir gs://bkt/tfds")]:
+        sets = [x for kv in over for x in ("--set", kv)]
+        err = _refused(capsys, tmp_path, recorder, [*argv, "--accelerator", acc, *sets])
+        name = src.split(":")[0].split(" ")[0]
+        assert err.startswith(f"diloco sweep: bad input: data: point default: data={src.split(' ')[0]!r} has no token "
+                              "store yet and a pod's TPU hosts do not tokenize a TFDS corpus"), err
+        assert (f"`diloco data tokenize --data {src} --vocab byte --out gs://BUCKET/stores/{name}`, then launch with "
+                f"--set data=tokens:gs://BUCKET/stores/{name}") in err, err
+    err = _refused(capsys, tmp_path, recorder, [*argv, "--accelerator", "v5p-8", "--set", f"data=tokens:{tmp_path}/st"])
+    assert f"data: point default: the token store '{tmp_path}/st' is on this machine's disk" in err
+
+
+def test_the_pod_rule_is_the_multi_process_rule_of_prepare_and_needs_no_io(tmp_path):
+    """preflight applies prepare.self_preparable (what `diloco train` lets each process of a multi-process run
+    tokenize itself) from the spec alone: it must agree with the kind specs.parse_data resolves (TFDS or not)."""
+    from diloco.data import prepare, specs
+
+    for d in ("c4/en/3.0.1", "dolma/v1/1.0"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "dataset_info.json").write_text("{}")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "a.txt").write_text("x\n")
+    cases = [("c4", str(tmp_path)), (f"c4:{tmp_path}/c4/en/3.0.1", None), ("dolma", str(tmp_path)),
+             (f"dolma:{tmp_path}/*.jsonl", None), (f"jsonl:{tmp_path}/*.jsonl", None), (f"text:{tmp_path}/*.txt", None),
+             ("stdlib", None)]
+    got = {c: (prepare.self_preparable(c), specs.parse_data(c, d).kind != "tfds") for c, d in cases}
+    assert all(a == b for a, b in got.values()) and sum(a for a, _ in got.values()) == 4, got
+    assert prepare.corpus_of("tokens:jsonl:x/*.jsonl") == "jsonl:x/*.jsonl" and prepare.corpus_of("tokens:gs://b/s") is None
 
 
 def test_downstream_items_outside_the_shipped_tree_are_refused(tmp_path, capsys, recorder):
@@ -197,7 +226,8 @@ def _paper_point(tmp_path, scale: str, method: str) -> list[str]:
     vocab = tmp_path / "spm.model"  # only its presence is checked before staging
     vocab.write_bytes(b"not read")
     f = _write_sweep(tmp_path, f"experiments/c4_scaling.py:{scale},{method}")
-    return [str(f), "--root", "gs://bkt/r", "--set", "data_dir=gs://bkt/tfds", "--set", f"vocab=sentencepiece:{vocab}"]
+    return [str(f), "--root", "gs://bkt/r", "--set", "data=tokens:gs://bkt/stores/c4-t5", "--set",
+            f"vocab=sentencepiece:{vocab}"]
 
 
 def test_a_point_that_does_not_fit_hbm_is_refused_with_the_smallest_slice_that_fits(tmp_path, capsys, recorder):
@@ -626,29 +656,71 @@ def _gcloud_calls(standin) -> list[list[str]]:
     return [i["argv"] for i in standin.invocations() if i["host"] is None]
 
 
+def test_a_c4_pod_point_is_refused_before_the_bucket_or_the_cloud_is_touched(standin, gcs, tmp_path, capsys):
+    """A C4 point on a 2-host v5p-16, its TFDS dataset_info.json on gs:// (all the old preflight asked for): one
+    line naming the field, the point and the store to make; the stand-in holds no queued resource, saw no gcloud
+    call, and the bucket holds only the dataset (no probe, no bundle)."""
+    vocab = tmp_path / "spm.model"
+    vocab.write_bytes(b"sentencepiece model bytes")
+    gcs.write(gcs.url("tfds/c4/en/3.0.1/dataset_info.json"), '{"name": "c4"}')
+    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
+    out = tmp_path / "bundle"
+    argv = [str(f), "--root", gcs.url("runs"), *TPU, "--accelerator", "v5p-16", "--out", str(out),
+            "--set", f"data_dir={gcs.url('tfds')}", "--set", f"vocab=sentencepiece:{vocab}"]
+    assert sw.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("diloco sweep: bad input: data: point default: data='c4' "), err
+    assert (f"`diloco data tokenize --data c4 --data_dir {gcs.url('tfds')} --vocab sentencepiece:{vocab} --out "
+            "gs://BUCKET/stores/c4`, then launch with --set data=tokens:gs://BUCKET/stores/c4") in err, err
+    assert standin.names() == [] and standin.state("pod-1") is None and not _gcloud_calls(standin)
+    assert not out.exists() and list(gcs.objects()) == ["tfds/c4/en/3.0.1/dataset_info.json"]
+
+
+def _store_on_gcs(gcs, tmp_path, url: str, vocab: str) -> None:
+    """A small store on the emulator (byte vocabulary), its manifest then re-signed for `vocab`: the preflight
+    reads only the manifest, and the tests have no SentencePiece model to tokenize with."""
+    from diloco.data import store
+    from test_store import make_text_corpus
+
+    store.tokenize(make_text_corpus(tmp_path / "corpus", n_train=2, n_val=1, size=1600), "byte", url, workers=1,
+                   progress=False)
+    man = store.read_manifest(url)
+    assert 1024 <= man["splits"]["validation"]["tokens"] < 2048  # rows of the point's seq_len 1024, not of 2048
+    man["vocab"] = store.vocab_identity(vocab)
+    man["fingerprint"] = store.fingerprint(man)
+    gcs.write(f"{url}/{store.MANIFEST}", json.dumps(man))
+
+
 def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(standin, gcs, tmp_path, capsys):
-    """A C4 point whose data_dir on gs:// holds no prepared dataset, a gs:// vocabulary that is not there,
-    a bucket that does not exist: one line each, no gcloud call, no bundle, nothing left in the bucket.
-    With dataset_info.json in place everything passes, and `up` uploads the bundle with the staged
-    vocabulary the points' argv name."""
+    """A point on a token store on gs:// that is not there, was tokenized with another vocabulary, or is too
+    short for the point's seq_len; a gs:// vocabulary that is not there; a bucket that does not exist: one line
+    each, no gcloud call, no bundle, nothing left in the bucket. With the store right everything passes, and
+    `up` creates the queued resource and uploads the bundle with the staged vocabulary the points' argv name."""
     vocab = tmp_path / "spm.model"
     vocab.write_bytes(b"sentencepiece model bytes")
     f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
-    out = tmp_path / "bundle"
-    argv = [str(f), "--root", gcs.url("runs"), *TPU, "--accelerator", "v5p-8", "--out", str(out),
-            "--set", f"data_dir={gcs.url('tfds')}", "--set", f"vocab=sentencepiece:{vocab}"]
+    out, url = tmp_path / "bundle", gcs.url("stores/c4-t5")
+    argv = [str(f), "--root", gcs.url("runs"), *TPU, "--accelerator", "v5p-16", "--out", str(out),
+            "--set", f"data=tokens:{url}", "--set", f"vocab=sentencepiece:{vocab}"]
 
     def refused() -> str:
         assert sw.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and not out.exists() and not _gcloud_calls(standin), err
         assert not [n for n in gcs.objects() if "probe" in n], "the probe object was left behind"
+        assert standin.names() == []
         return err
 
-    assert "data_dir: point default: no prepared TFDS 'c4' dataset under 'gs://" in refused()
-    info = {"name": "c4", "configName": "en", "version": "3.1.0",
-            "splits": [{"name": "train", "shardLengths": ["10"]}, {"name": "validation", "shardLengths": ["5"]}]}
-    gcs.write(gcs.url("tfds/c4/en/3.1.0/dataset_info.json"), json.dumps(info))
+    err = refused()
+    assert f"data: point default: no token store at '{url}'" in err and "`diloco data tokenize --data" in err, err
+    _store_on_gcs(gcs, tmp_path, url, "byte")
+    err = refused()
+    assert f"vocab: point default: the token store {url} was tokenized with a byte vocabulary" in err, err
+    _store_on_gcs(gcs, tmp_path, url, f"sentencepiece:{vocab}")
+    objects = sorted(gcs.objects())
+    argv += ["--set", "seq_len=2048"]  # longer than the validation split
+    assert f"data: point default: the 'validation' split of {url} has" in refused()
+    argv[-2:] = []
     argv[-1] = f"vocab=sentencepiece:{gcs.url('vocab/none.model')}"
     assert "vocab: point default: sentencepiece model 'gs://" in refused()
     argv[-1] = f"vocab=sentencepiece:{vocab}"
@@ -656,14 +728,17 @@ def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(s
     assert "--root: gs://no-such-bucket-here/runs: cannot write a probe object" in refused()
     argv[argv.index("--root") + 1] = gcs.url("runs")
     assert sw.main(argv) == 0, capsys.readouterr().err
-    assert f"point default reads the TFDS dataset in {gcs.url('tfds/c4/en/3.1.0')}" in capsys.readouterr().out
-    assert list(gcs.objects()) == ["tfds/c4/en/3.1.0/dataset_info.json"] and not _gcloud_calls(standin)
+    fp = json.loads(gcs.read(f"{url}/manifest.json"))["fingerprint"]
+    assert f"point default reads the token store {url} (fingerprint {fp[:12]}, " in capsys.readouterr().out
+    assert sorted(gcs.objects()) == objects and not _gcloud_calls(standin) and standin.names() == []
     plan = json.loads((out / "plan.json").read_text())
+    assert f"--config.data=tokens:{url}" in plan["points"][0]["argv"]
     staged = plan["points"][0]["argv"][-1].removeprefix("--config.vocab=sentencepiece:")
     assert staged == f"{gcs.url('runs/t/_pods/pod-1/_launch')}/{preflight.staged_vocab_name(str(vocab))}"
     standin.configure(waiting_s=None)  # the request stays queued: nothing boots
     r = _sh(out / "launch_tpu.sh", "up", env={"UP_WAIT_S": "0"})
     assert r.returncode == 1 and "still WAITING_FOR_RESOURCES" in r.stderr
+    assert standin.names() == ["pod-1"]  # what the refusals above asserted had not happened
     assert gcs.read(staged) == vocab.read_bytes()
     assert {n.rsplit("/", 1)[-1] for n in gcs.objects("runs/t/_pods/pod-1/_launch/")} == \
         {p.name for p in out.iterdir() if p.name != bundle.MARKER}

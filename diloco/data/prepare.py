@@ -59,12 +59,30 @@ def _splits(spec: specs.Spec) -> tuple[str, ...]:
     return tuple(s for s in specs.SPLITS if any(os.path.getsize(f) for f in specs.file_split(spec, s)))
 
 
+def self_preparable(corpus: str) -> bool:
+    """The rule for a multi-process run (and every pod, whose TPU hosts start with an empty cache): each process may
+    tokenize the store of `corpus` itself (the embedded corpus, JSONL/text files: every host makes the same store
+    from the same files) unless it is a TFDS corpus (c4, c4:<dir>, dolma), which only a single-process run tokenizes,
+    and only when small. From the spec alone (no I/O): the launch preflight applies it before anything is billed."""
+    kind, _, arg = corpus.strip().partition(":")
+    return not (kind == "c4" or kind == "dolma" and not arg)
+
+
+def tokenize_first(corpus: str, vocab: str, data_dir: str | None, why: str, then: str = "run with --config.data") -> ConfigError:
+    """The one line refusing a corpus whose store must be made first: the `diloco data tokenize` command and the flag."""
+    name = corpus.split(":", 1)[0]
+    src = corpus + (f" --data_dir {data_dir}" if data_dir and ":" not in corpus else "")
+    return ConfigError("data", f"data={corpus!r} has no token store yet and {why}; tokenize it once on a CPU "
+                       f"machine (every core): `diloco data tokenize --data {src} --vocab {vocab} --out "
+                       f"gs://BUCKET/stores/{name}`, then {then}=tokens:gs://BUCKET/stores/{name} (docs/data.md)")
+
+
 def check_preparable(corpus: str, vocab: str, data_dir: str | None = None, explicit: bool = False) -> Path:
     """The cache store of `corpus`; a ConfigError when it is not there and may not be made here (a TFDS corpus
     in a multi-process run, or one with more than AUTO_TFDS_MAX_DOCS documents, unless `explicit`)."""
     out = cache_store(corpus, vocab, data_dir)
     spec = specs.parse_data(corpus, data_dir)
-    if spec.kind != "tfds" or explicit or (out / store.MANIFEST).is_file():
+    if self_preparable(corpus) or explicit or (out / store.MANIFEST).is_file():
         return out
     from diloco import distributed
 
@@ -73,12 +91,7 @@ def check_preparable(corpus: str, vocab: str, data_dir: str | None = None, expli
     if procs > 1 or docs > AUTO_TFDS_MAX_DOCS:
         why = (f"a {procs}-process run does not tokenize a TFDS corpus on its hosts" if procs > 1 else
                f"it has {docs:,} documents, more than the {AUTO_TFDS_MAX_DOCS:,} a run tokenizes itself")
-        name = corpus.split(":", 1)[0]
-        src = corpus + (f" --data_dir {data_dir}" if data_dir and ":" not in corpus else "")
-        raise ConfigError("data", f"data={corpus!r} has no token store yet and {why}; tokenize it once on a CPU "
-                          f"machine (every core): `diloco data tokenize --data {src} --vocab {vocab} --out "
-                          f"gs://BUCKET/stores/{name}`, then run with --config.data=tokens:gs://BUCKET/stores/{name} "
-                          "(docs/data.md)")
+        raise tokenize_first(corpus, vocab, data_dir, why)
     return out
 
 

@@ -4,10 +4,10 @@ One ConfigError (one line naming the field and the fix) for the first thing wron
   the accelerator type and slice count; the root on gs://; per point: the spec inside the shipped tree,
   the config, hosts × slices vs replicas (distributed.check_processes, the rule the pod applies),
   the slice axis of a multislice mesh (distributed.slice_axis), the batch split over the chips,
-  the data where the workers can read it (a TFDS dataset on gs://), the vocabulary present,
-  the fit in HBM (results/pod/memory.csv, or `--check-fit compile`); then, with the bucket:
-  the bucket writable (a probe object written and deleted), the TFDS `dataset_info.json` on gs://,
-  a gs:// vocabulary present. Nothing here calls gcloud or creates a resource.
+  the data where the workers can read it (a token store on gs://, or files of the tree; no TFDS corpus,
+  which the TPU hosts would tokenize), the vocabulary present, the fit in HBM (results/pod/memory.csv, or
+  `--check-fit compile`); then, with the bucket: the bucket writable (a probe object written and deleted),
+  the store's manifest on gs:// (vocabulary, seq_len), a gs:// vocabulary present. Nothing here calls gcloud or creates a resource.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Checked:
     configs: dict = field(default_factory=dict)  # point name → ConfigDict
     vocabs: dict = field(default_factory=dict)  # local .model path → staged file name
     warnings: list = field(default_factory=list)
-    notes: list = field(default_factory=list)  # what was found, e.g. the exact TFDS directory each point reads
+    notes: list = field(default_factory=list)  # what was found, e.g. the token store each point reads
 
 
 def _point_error(e: ConfigError, name: str) -> ConfigError:
@@ -96,33 +96,35 @@ def check_point(point: dict, extra: list[str], sl: accelerators.Slice, slices: i
 
 
 def check_data(cfg, name: str, tree: set[str]) -> None:
-    """The data must be where every worker can read it: a prepared TFDS dataset on gs://, or files in the tree."""
-    kind, _, arg = cfg.data.partition(":")
-    if kind in ("c4", "dolma") and not arg:
-        d = cfg.data_dir
-        if not d:
-            raise ConfigError("data_dir", f"point {name}: data={cfg.data} reads a prepared TFDS dataset and data_dir "
-                              "is unset, so every TPU host would look in its own ~/tensorflow_datasets; prepare it "
-                              f"once on gs:// (`tfds build {'c4/en' if kind == 'c4' else '…'} --data_dir=gs://BUCKET/tfds`) "
-                              "and --set data_dir=gs://BUCKET/tfds")
-        if not d.startswith("gs://"):
-            raise ConfigError("data_dir", f"point {name}: {d!r} is on this machine's disk, which TPU hosts cannot "
-                              "read; copy the prepared dataset to gs:// and --set data_dir=gs://BUCKET/tfds")
-    elif kind == "c4" and arg and not arg.startswith("gs://"):
-        raise ConfigError("data", f"point {name}: {arg!r} is on this machine's disk; use data=c4:gs://… (a prepared "
-                          "TFDS directory in the bucket)")
-    elif kind == "tokens" and not arg.startswith("gs://"):  # a token store (diloco/data/store.py)
-        raise ConfigError("data", f"point {name}: the token store {arg!r} is on this machine's disk; `diloco data "
-                          "tokenize --out gs://BUCKET/STORE` and --set data=tokens:gs://BUCKET/STORE")
-    elif kind in ("dolma", "jsonl", "text") and arg:
+    """Every TPU host must read or make the point's token store without tokenizing a TFDS corpus: a store on
+    gs:// (its manifest checked by check_remote), or a corpus each host prepares itself from the shipped tree
+    (prepare.self_preparable, the rule `diloco train` applies to a multi-process run: the embedded corpus, JSONL
+    or text files). A TFDS corpus (c4, c4:<dir>, dolma) is refused here, on any slice: each new or repaired VM
+    starts with an empty cache and would tokenize it on billed TPU time (a multi-host run refuses it there)."""
+    from diloco.data import prepare, specs
+
+    corpus = prepare.corpus_of(cfg.data)
+    if corpus is None:  # a token store (diloco/data/store.py)
+        where = specs.store_path(cfg.data)
+        if not where.startswith("gs://"):
+            raise ConfigError("data", f"point {name}: the token store {where!r} is on this machine's disk; `diloco "
+                              "data tokenize --out gs://BUCKET/STORE` and --set data=tokens:gs://BUCKET/STORE")
+        return
+    if not prepare.self_preparable(corpus):
+        e = prepare.tokenize_first(corpus, cfg.vocab, cfg.data_dir or None, "a pod's TPU hosts do not tokenize a "
+                                   "TFDS corpus (each new or repaired VM starts with an empty cache)", "launch with --set data")
+        raise _point_error(e, name) from None
+    kind, _, arg = corpus.partition(":")
+    if kind in ("dolma", "jsonl", "text") and arg:
         import glob
 
         files = sorted(glob.glob(os.path.join(REPO_ROOT, arg), recursive=True)) if not os.path.isabs(arg) else []
         rel = {os.path.relpath(f, REPO_ROOT) for f in files}
         if not rel or not rel <= tree:
             raise ConfigError("data", f"point {name}: {cfg.data!r} is not a glob of files inside the shipped tree, "
-                              "and TPU hosts cannot read this machine's disk; use a prepared TFDS dataset on gs:// "
-                              "(data=c4 with data_dir=gs://…) or files committed under the repository")
+                              "and TPU hosts cannot read this machine's disk; tokenize it into a store on gs:// "
+                              f"(`diloco data tokenize --data {corpus} --vocab {cfg.vocab} --out gs://BUCKET/STORE`) and "
+                              "--set data=tokens:gs://BUCKET/STORE, or commit the files under the repository")
 
 
 def check_downstream(cfg, name: str, tree: set[str]) -> None:
@@ -228,58 +230,27 @@ def check_bucket(root: str) -> None:
                           "that the bucket exists and `gcloud auth application-default login` can write to it") from None
 
 
-C4_COPIES = ("c4/en 3.0.1 is the prepared copy the JAX ecosystem reads (MaxText, T5/seqio; the public "
-             "gs://allennlp-tensorflow-datasets/c4 mirror is requester-pays), 3.1.0 what `tfds build c4/en` makes today")
-
-
-def tfds_candidates(d: str, kind: str) -> list[str]:
-    """The prepared TFDS version dirs `data=KIND` could mean under `d`: d itself, or KIND/*/* and KIND/* under it."""
-    from diloco.rundir import path
-
-    p = path(d)
-    if (p / "dataset_info.json").exists():
-        return [str(p)]
-    found = sorted({str(f.parent) for f in [*p.glob(f"{kind}/*/*/dataset_info.json"), *p.glob(f"{kind}/*/dataset_info.json")]})
-    return found
-
-
-def check_tfds_choice(found: list[str], data: str, name: str, kind: str) -> str:
-    """The one directory a point reads; several are refused (the reader would pick one by name)."""
-    if len(found) <= 1:
-        return found[0] if found else ""
-    rel = [f.rsplit(f"/{kind}/", 1)[-1] for f in found]
-    example = next((f for f in found if f.endswith("/c4/en/3.0.1")), found[0])
-    raise ConfigError("data", f"point {name}: data={data} is ambiguous: {len(found)} prepared {kind} copies "
-                      f"({', '.join(f'{kind}/{r}' for r in rel)}); name the one to read, e.g. --set data={kind}:{example}"
-                      + (f" ({C4_COPIES})" if kind == "c4" else ""))
-
-
 def check_remote(cfg, name: str) -> str:
-    """The TFDS dataset_info.json on gs:// and a gs:// vocabulary, read through the same libraries the workers
-    use; the exact TFDS directory the point reads ('' when not TFDS)."""
-    from diloco.data import parse_data, parse_vocab
+    """A token store's manifest on gs:// (it exists and fits the point's vocabulary and seq_len) and a gs://
+    vocabulary, read through the same libraries the workers use; what the point reads ('' when not a store)."""
+    from diloco.data import parse_vocab, specs
 
-    kind, _, arg = cfg.data.partition(":")
-    chosen = ""
-    if kind == "tokens":  # its manifest exists and fits the point's vocabulary and seq_len
+    where, found = specs.store_path(cfg.data), ""
+    if where:
         from diloco.data.store import check_store
 
         try:
-            check_store(arg, cfg.vocab, cfg.seq_len)
+            man = check_store(where, cfg.vocab, cfg.seq_len)
         except ConfigError as e:
             raise _point_error(e, name) from None
-    if kind in ("c4", "dolma") and not arg or kind == "c4" and arg:
-        try:
-            parse_data(cfg.data, cfg.data_dir or None)
-        except ConfigError as e:
-            raise _point_error(e, name) from None
-        chosen = check_tfds_choice(tfds_candidates(arg or cfg.data_dir, kind), cfg.data, name, kind)
+        tokens = man["splits"]["train"]["tokens"]
+        found = f"the token store {where} (fingerprint {man['fingerprint'][:12]}, {tokens:,} train tokens)"
     if (cfg.vocab or "").startswith("sentencepiece:gs://"):
         try:
             parse_vocab(cfg.vocab)
         except ConfigError as e:
             raise _point_error(e, name) from None
-    return chosen
+    return found
 
 
 def single_host_multislice(sl: accelerators.Slice, slices: int) -> str:
@@ -324,7 +295,7 @@ def check(sweep: dict, root: str, accelerator: str, slices: int, extra: list[str
     if remote:
         check_bucket(root)
         for name, cfg in out.configs.items():
-            chosen = check_remote(cfg, name)
-            if chosen:
-                out.notes.append(f"point {name} reads the TFDS dataset in {chosen}")
+            found = check_remote(cfg, name)
+            if found:
+                out.notes.append(f"point {name} reads {found}")
     return out
