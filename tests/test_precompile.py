@@ -25,20 +25,25 @@ def inner_step(self, t):
     marks.setdefault(t, time.time())
     return out
 T.Run.inner_step = inner_step
-cfg = tiny_config("streaming", steps=9, H=4, tau=1, layers_per_fragment=1, exchange="in_step", log_every=3,
-                  eval_every=4, checkpoint_every=4, eval_batches=1, batch_size=4, **{"model.scan": True})
+kw = dict(steps=9, H=4, tau=1, layers_per_fragment=1, exchange="in_step", log_every=3, eval_every=4,
+          checkpoint_every=4, eval_batches=1, batch_size=4, **{"model.scan": True})
+cfg = tiny_config("streaming", **{**kw, **json.loads(sys.argv[2])})
 s = T.train(cfg, sys.argv[1], progress=False)
-frag = re.compile(r"^jit\((step_send|send|update|merge)_fragments?_")
+frag = re.compile(sys.argv[3])
 print("COUNTS " + json.dumps({"before": sorted(n for t, n in events if t <= marks[1] and frag.match(n)),
                               "after": sorted(n for t, n in events if t > marks[1] and frag.match(n))}))
 """
 
 
-def fragment_compiles(tmp_path, precompile: bool) -> dict:
+FRAGMENT_PROGRAMS = r"^jit\((step_send|send|update|merge)_fragments?_"
+
+
+def fragment_compiles(tmp_path, precompile: bool, overrides: dict | None = None,
+                      programs: str = FRAGMENT_PROGRAMS) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", TF_CPP_MIN_LOG_LEVEL="3",
                DILOCO_PRECOMPILE="1" if precompile else "0")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
-                       env=env)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(overrides or {}), programs],
+                       capture_output=True, text=True, cwd=REPO, env=env)
     line = next((l for l in r.stdout.splitlines() if l.startswith("COUNTS ")), None)
     assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads(line[len("COUNTS "):])
@@ -55,3 +60,15 @@ def test_nothing_compiles_after_the_first_step(tmp_path):
     # send with the blocking program, so its step+send first runs only if a later send rides a step)
     lazy = fragment_compiles(tmp_path / "lazy", precompile=False)
     assert lazy["before"] == [] and len(set(lazy["after"])) >= 7 and set(lazy["after"]) <= set(pre["before"])
+
+
+def test_an_eager_run_compiles_every_fragments_own_send_before_the_first_step(tmp_path):
+    """Eager updates (swap) under nn.scan: each fragment has its own send programs (EagerDriver's
+    eager round, per fragment, not per layout), so all three fragments' step+eager round (in_step) and
+    eager round (the settle at a checkpoint) are compiled before step 1 and none after (a listing per
+    layout would leave fragment 2's to compile during the run)."""
+    got = fragment_compiles(tmp_path, precompile=True, overrides={"eager": "swap", "tau": 0},
+                            programs=r"^jit\((step_eager_round|eager_round|update|merge)_fragments?_")
+    assert got["after"] == []
+    assert sorted(set(got["before"])) == sorted(
+        f"jit({k}_fragment_{p})" for k in ("step_eager_round", "eager_round") for p in range(3))

@@ -91,30 +91,18 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
 
 def run_programs(tr, state, batch, key, contrib, mask, eval_args=None, inner=None) -> list[tuple]:
     """Every program a run of `tr` executes, as (name, program, arguments of its first call), in the
-    order they are compiled: `inner`; per fragment layout (`Fragments.groups`, named by its fragments:
-    `0`, `1-7`) `step+send` (exchange=in_step: the send after step t rides on step t+1's program),
-    `send` (the blocking exchange; with in_step, the deferred send a checkpoint or the end of the run
-    settles), `update`, `merge`, and, when a fragment can be in flight at an evaluation (τ > 0), the
-    undonated copies of update / merge that the drained evaluation runs (`OuterDriver.drained`); then
-    `eval`. The one enumeration behind `diloco compile` (abstract arguments, `trainer_programs`) and
-    the run's own compile before step 1 (its real arguments, diloco/precompile.py). A fragment
-    program is an `OuterDriver` FragmentProgram (`.jitted`, `.args(state, …)`, `.lower(state, …)`)."""
-    driver = tr.driver
+    order they are compiled: `inner`, the outer driver's fragment programs (`OuterDriver.run_programs`:
+    per fragment layout step+send / send / update / merge and the drained evaluation's undonated
+    copies; `EagerDriver.run_programs`: its own send of each fragment), then `eval`. The one
+    enumeration behind `diloco compile` (abstract arguments, `trainer_programs`) and the run's own
+    compile before step 1 (its real arguments, diloco/precompile.py). A fragment program has
+    `.jitted`, `.args(state, …)` and `.lower(state, …)`."""
     todo = [("inner", tr.inner_step() if inner is None else inner, (state, batch))]
-    if driver is not None:
-        taus = driver.schedule.taus
-        for group in tr.sync.frags.groups():  # one program per fragment layout, shared by its fragments
-            p, g = group[0], group_name(group)
-            if driver.exchange == "in_step":
-                todo.append((f"step+send {g}", driver.step_program(tr.inner_step(jitted=False), p),
-                             (state, batch, key, contrib)))
-            todo += [(f"send {g}", driver.program("send", p), (state, key, contrib)),
-                     (f"update {g}", driver.program("update", p), (state,)),
-                     (f"merge {g}", driver.program("merge", p), (state, mask))]
-            if min(taus) > 0:
-                todo.append((f"update {g} (drained copy)", driver.program("update", p, donate=False), (state,)))
-            if max(taus) > 0:
-                todo.append((f"merge {g} (drained copy)", driver.program("merge", p, donate=False), (state, mask)))
+    if tr.driver is not None:
+        values = {"state": state, "batch": batch, "key": key, "contrib": contrib, "mask": mask}
+        for name, prog, names, p in tr.driver.run_programs(tr.inner_step(jitted=False)):
+            # `pending`: an (n_p,) f32 shaped and placed like fragment p's pending slot (an exchanged average)
+            todo.append((name, prog, tuple(state.outer.pending[p] if n == "pending" else values[n] for n in names)))
     if eval_args is not None:
         todo.append(("eval", tr.eval_fn(), eval_args))
     return todo

@@ -64,6 +64,28 @@ class OuterDriver:
         """Keys of the programs built so far: (kind, fragment layout, …): one per layout, not per fragment."""
         return sorted(self._jit, key=str)
 
+    def run_programs(self, step: Callable) -> list[tuple[str, Any, tuple[str, ...], int]]:
+        """(name, program, its arguments by name, fragment) of every fragment program a run executes,
+        one per fragment layout (named by its fragments: `send 0`, `merge 1-7`): `step+send` (in_step:
+        the send after step t rides on step t+1's program; `step` is the trainer's un-jitted inner
+        step), `send` (blocking; with in_step the deferred send a settle runs), `update`, `merge`, and
+        when a fragment can be in flight at an evaluation (τ > 0) the undonated update/merge copies
+        `drained` runs. Argument names: state, batch, key, contrib, mask (compile/aot.run_programs
+        gives them values, abstract or real)."""
+        out, taus = [], self.schedule.taus
+        for group in self.sync.frags.groups():
+            p, g = group[0], group_name(group)
+            if self.exchange == "in_step":
+                out.append((f"step+send {g}", self.step_program(step, p), ("state", "batch", "key", "contrib"), p))
+            out += [(f"send {g}", self.program("send", p), ("state", "key", "contrib"), p),
+                    (f"update {g}", self.program("update", p), ("state",), p),
+                    (f"merge {g}", self.program("merge", p), ("state", "mask"), p)]
+            if min(taus) > 0:
+                out.append((f"update {g} (drained copy)", self.program("update", p, donate=False), ("state",), p))
+            if max(taus) > 0:
+                out.append((f"merge {g} (drained copy)", self.program("merge", p, donate=False), ("state", "mask"), p))
+        return out
+
     @property
     def P(self) -> int:
         return self.sync.frags.P

@@ -142,6 +142,25 @@ class EagerDriver(OuterDriver):
     def programs(self) -> list[tuple]:
         return sorted([*self._jit, *self._own], key=str)
 
+    def run_programs(self, step: Callable) -> list[tuple[str, Any, tuple[str, ...], int]]:
+        """OuterDriver.run_programs for these sends, which are per fragment (`own_program`), not per
+        layout: per fragment p its send as the placement runs it — `send p` (blocking, and the settle
+        of in_step), `step+send p` (in_step), `local p` + `land p` (comm_device) — and, with error
+        feedback alone, the shared update/merge programs of OuterDriver (under eager the round does
+        its own outer step and merge: no update or merge runs)."""
+        out = []
+        for p in range(self.P):
+            if self.exchange == "in_step":
+                out.append((f"step+send {p}", self.step_program(step, p), ("state", "batch", "key", "contrib"), p))
+            if self.exchange == "comm_device":
+                out += [(f"local {p}", self.own_program("local", p), ("state", "key", "contrib"), p),
+                        (f"land {p}", self.own_program("land", p), ("state", "pending"), p)]
+            else:
+                out.append((f"send {p}", self.program("send", p), ("state", "key", "contrib"), p))
+        if self.mode == "off":
+            out += [x for x in super().run_programs(step) if not x[0].startswith(("send ", "step+send "))]
+        return out
+
     def after_step(self, state, t: int, contrib: Callable[[int, int], np.ndarray] | None = None
                    ) -> tuple[Any, list[tuple[int, int]]]:
         sent = []
