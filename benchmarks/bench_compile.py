@@ -1,0 +1,89 @@
+"""What a Streaming run's compile costs at a paper scale, on this machine (libtpu, no TPU): the run's
+distinct programs compiled one after another (1 thread) and side by side (one thread per core), each
+mode in its own process, in the same invocation, so the ratio is measured on one machine state.
+
+  python benchmarks/bench_compile.py [--scale 35M] [--topology v5e:2x2] [--out FILE.json]
+
+Prints per program its compile seconds (serial mode), the summed and wall seconds of both modes, the
+wall time against the inner step's own compile, and what the per-fragment programs of the code
+before #32 would have compiled: inner + eval + 4 programs per fragment (fragments 1…P−1 each their
+own copy of the shared program; the drained copies, which that code compiled at their first use, not
+counted), estimated from the serial seconds of the shared programs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SPM = "/work/shared/data/vocab/sentencepiece_cc_all.32000.100extra-sentencepiece.model"
+
+
+def child(scale: str, topology: str, workers: int) -> dict:
+    from diloco.compile.overlap import use_tpu_overlap_flags
+
+    use_tpu_overlap_flags()  # as `diloco train` and the memory table compile
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    from diloco.compile import paper_table as T
+    from diloco.compile.aot import compile_trainer, tpu_devices
+    from diloco.config import validate
+    from diloco.trainer import Trainer
+
+    cfg = T.paper_config(scale, "Streaming", os.environ.get("DILOCO_SPM", SPM))
+    devices = tpu_devices(topology)
+    cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = cfg.replicas, 1, -1
+    validate(cfg, check_data=False, num_devices=len(devices))
+    tr = Trainer(cfg, devices=devices)
+    t0 = time.time()
+    got = compile_trainer(cfg, devices, tr=tr, workers=workers)
+    return {"workers": got["compile"]["workers"], "wall_s": round(time.time() - t0, 1),
+            "summed_s": round(got["compile"]["seconds_total"], 1), "P": tr.driver.P,
+            "groups": [list(g) for g in tr.sync.frags.groups()],
+            "programs": {r["program"]: r["compile_seconds"] for r in got["programs"]},
+            "load_after": round(os.getloadavg()[0], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scale", default="35M")
+    ap.add_argument("--topology", default="v5e:2x2")
+    ap.add_argument("--out")
+    ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.scale, a.topology, a.child)))
+        return
+    runs = {}
+    for mode, w in (("serial", 1), ("parallel", os.cpu_count() or 1)):
+        print(f"{a.scale} on {a.topology}: compiling every program, {mode} ({w} thread{'s' * (w > 1)}) …",
+              file=sys.stderr, flush=True)
+        out = subprocess.run([sys.executable, __file__, "--scale", a.scale, "--topology", a.topology,
+                              "--child", str(w)], capture_output=True, text=True, check=True).stdout
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    s, p = runs["serial"], runs["parallel"]
+    progs, P = s["programs"], s["P"]
+    shared = [g for g in s["groups"] if len(g) > 1]
+    kinds = ("step+send", "send", "update", "merge")
+    # the code before #32: fragments of a shared layout each compiled their own copy of these four
+    before = progs["inner"] + progs["eval"]
+    for g in s["groups"]:
+        name = f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0])
+        before += len(g) * sum(progs.get(f"{k} {name}", 0.0) for k in kinds)
+    res = {"scale": a.scale, "topology": a.topology, "P": P, "distinct_programs": len(progs),
+           "per_fragment_programs": 4 * P + 2, "shared_groups": shared, "programs_serial_s": progs,
+           "serial_wall_s": s["wall_s"], "parallel_wall_s": p["wall_s"], "parallel_workers": p["workers"],
+           "parallel_over_serial": round(p["wall_s"] / s["wall_s"], 3),
+           "inner_s": progs["inner"], "parallel_wall_over_inner": round(p["wall_s"] / progs["inner"], 2),
+           "per_fragment_estimate_s": round(before, 1), "load": [s["load_after"], p["load_after"]],
+           "cores": os.cpu_count()}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
