@@ -7,13 +7,18 @@ sweep point under --root, so an interrupted reproduce picks up where it stopped.
 
   diloco reproduce                                   # ≈ 13 min on 2 CPU cores (--estimate: on yours): a SHORT budget
   diloco reproduce --full                            # the claims table at ≈20 tokens/parameter (hours)
+  diloco reproduce --beyond                          # beyond the paper: [EU] eager updates, 2-bit ± error feedback
   diloco reproduce --data c4 --data_dir ~/tensorflow_datasets --scale 35M+100M --root gs://…
 
 The quick job's runs are short (200–240 steps: 4 and 1.5 tokens per parameter, one seed), so its
 gaps are not findings. `--full` tunes the inner lr (DP) and outer lr (DiLoCo, M=2), then runs the
 claims sweeps (sweeps/claims.py: headline and τ×α at 8 seeds, the pattern ablation on toy and Table 3
 by outer lr at 3; then the headline at toy, 3 seeds, ≈20 min a run) and writes results/claims.md; it
-estimates the total time up front, shows a progress bar, and resumes where it stopped.
+estimates the total time up front, shows a progress bar, and resumes where it stopped. `--beyond` runs
+what researchers compare Streaming DiLoCo with today (#33: sweeps/eager.py [EU] Tables 2 and 3,
+sweeps/compression.py 2-bit ± error feedback, 8 seeds at tiny) under runs/eager. `--note TEXT` keeps a
+line on where this invocation's runs came from (e.g. the commit they ran from) beside its steps in
+results/steps.json, and README.md shows it; a step that trains new runs drops its old note.
 Regenerating never drops a committed table or row (diloco/report/).
 """
 from __future__ import annotations
@@ -174,14 +179,44 @@ def sweep_seconds(root: Path, s: dict) -> tuple[float, int]:
     return secs, n
 
 
+def _shown_argv(argv: list[str]) -> list[str]:
+    """argv as the README names the invocation: without --tables-only and --note (its text is shown apart)."""
+    shown, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--tables-only", "--tables_only"):
+            continue
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            shown.append(a)
+    return shown
+
+
+def _group_section(title: str, text: str, names: list[str], known: dict) -> list[str]:
+    """A README section for a step group: its description, then each distinct note of its steps."""
+    lines = ["", f"## {title}", "", text]
+    notes: dict[str, list[str]] = {}
+    for n in names:
+        if known.get(n, {}).get("note"):
+            notes.setdefault(known[n]["note"], []).append(n)
+    for note, ns in notes.items():
+        lines += ["", "The run records of " + ", ".join(f"`{n}`" for n in ns) + f": {note}"]
+    return lines
+
+
 def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, str, float, int]], h: dict,
-                 history: list[dict] = ()) -> Path:
+                 history: list[dict] = (), note: str = "", trained: set[str] = frozenset()) -> Path:
     """results/README.md: the steps (with their runs' training time), every sweep behind a committed table
     (from runs.csv, so sweeps not rerun now stay listed), the headline and every file in out/. No wall-clock
-    date: rewriting it from the same records gives the same text (the per-table dates are in provenance.json)."""
+    date: rewriting it from the same records gives the same text (the per-table dates are in provenance.json).
+    `note` (--note) is kept in steps.json on each sweep step of this invocation; without one, a step keeps its
+    committed note unless it has a new root or is in `trained` (it trained new runs: the note may not
+    hold for them). A step group's description (BEYOND_TEXT) and its steps' notes make its own section."""
     import pandas as pd
 
-    shown_argv = [a for a in argv if a not in ("--tables-only", "--tables_only")]
+    shown_argv = _shown_argv(argv)
     cmd = "diloco reproduce" + (" " + shlex.join(shown_argv) if shown_argv else "")
     # steps of earlier invocations (e.g. the quick job's, when this is --full) stay listed
     steps_path = out / "steps.json"
@@ -190,7 +225,11 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
     except (OSError, ValueError):
         known = {}
     for name, c, secs, n in steps:
+        old = known.get(name, {})
         known[name] = {"made_by": cmd, "root": str(root), "command": c, "runs": n, "run_seconds": round(secs)}
+        kept = note or (old.get("note") if old.get("root") == str(root) and name not in trained else "")
+        if kept and c.startswith("diloco sweep "):  # a note is on runs: a sweep step's
+            known[name]["note"] = kept
     text = json.dumps(known, indent=1, sort_keys=True) + "\n"
     if not steps_path.exists() or steps_path.read_text() != text:
         steps_path.write_text(text)
@@ -205,12 +244,18 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
              "`run seconds`: the training time recorded by the runs themselves (summed; runs of earlier invocations "
              "included), not the time of this invocation, which skips finished runs.", "",
              _md([{"step": name, "made by": f"`{v['made_by']}`", "command": f"`{v['command']}`", "runs": v["runs"],
-                   "run seconds": v["run_seconds"]} for name, v in known.items()])]
+                   "run seconds": v["run_seconds"]} for name, v in sorted(known.items())])]
     sweeps: dict[str, tuple[str, str]] = {}  # sweep → (spec, root its runs were under)
+    counts: dict[str, str] = {}  # sweep → "(8 seeds, 64 runs; data order: …)"
     runs_csv = out / "runs.csv"
     if runs_csv.exists():
         try:
             df = pd.read_csv(runs_csv)
+            for sweep, g in df.groupby("sweep", sort=False):
+                k = g["seed"].nunique() if "seed" in g else 0
+                orders = g["data_order"].dropna().unique() if "data_order" in g else []
+                counts[sweep] = (f" ({k} seed{'s' * (k != 1)}, " if k else " (") + f"{len(g)} run{'s' * (len(g) != 1)}" + (
+                    f"; data order: {orders[0]}" if len(orders) == 1 else "") + ")"
             for r in df.itertuples():
                 wd = Path(str(getattr(r, "workdir", "")))
                 where = str(wd.parent.parent) if wd.parts else str(root)
@@ -225,8 +270,15 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
         lines += ["", "## Sweeps in the records", "",
                   "Every sweep behind a table here (each run's exact command is in its `point.json`; `runs.csv` "
                   "has one row per run, kept even when its folder is not under this root):", ""]
-        lines += [f"- `{name}`" + (f": `diloco sweep {spec} --root {where}`" if spec else "")
+        lines += [f"- `{name}`" + (f": `diloco sweep {spec} --root {where}`" if spec else "") + counts.get(name, "")
                   for name, (spec, where) in sorted(sweeps.items())]
+    beyond = [n for n, _ in BEYOND_PLAN] + [BEYOND_TABLES]
+    if any(n in known for n in beyond):
+        lines += _group_section(BEYOND_TITLE, BEYOND_TEXT, [n for n in beyond if n in known], known)
+    rest = [n for n, v in known.items() if v.get("note") and n not in beyond]
+    if rest:
+        lines += _group_section("Notes on the steps", "Where the runs of these steps came from (`diloco reproduce "
+                                "--note`, kept in steps.json).", rest, known)
     if h.get("scaling") or h.get("tau_alpha"):
         lines += ["", "## Headline (toy scale, the quick budget)", "", "```", headline_text(h), "```"]
     lines += ["", "## Files", ""]
@@ -246,6 +298,17 @@ FULL_PLAN = [("tune_inner_lr", "sweeps/tune_inner_lr.py:tiny"), ("tune_outer_lr"
              ("claims_headline", "sweeps/claims.py:headline,tiny"), ("claims_tau_alpha", "sweeps/claims.py:tau_alpha,tiny"),
              ("claims_pattern", "sweeps/claims.py:pattern,toy"), ("claims_table3", "sweeps/claims.py:table3,tiny"),
              ("claims_headline_toy", "sweeps/claims.py:headline,toy")]
+# -- --beyond: what researchers compare Streaming DiLoCo with today (#33), default root runs/eager ----------
+BEYOND_PLAN = [("eager_table2", "sweeps/eager.py:table2,tiny"), ("eager_table3", "sweeps/eager.py:table3,tiny"),
+               ("compression_ef", "sweeps/compression.py:tiny,ef"), ("compression", "sweeps/compression.py:tiny")]
+BEYOND_TABLES = "tables and plots (--beyond)"
+BEYOND_TITLE = "[EU] eager updates and 2-bit ± error feedback (#33, `diloco reproduce --beyond`)"
+BEYOND_TEXT = ("`table2_eager.md` / `table3_eager.md`: [EU] (arXiv 2502.12996) Tables 2 and 3 beside ours; "
+               "`ablation_compression_ef_tiny.md`: FP32, FP4, 2-bit (int2), each ± error feedback; "
+               "`ablation_compression_tiny.md`: the compression ablation with its int2 and error-feedback rows; "
+               "verdicts in `claims.md`. Made by the steps `eager_table2`, `eager_table3`, `compression_ef` and "
+               "`compression` (commands in the Steps table; seeds, runs and data order per sweep in the list "
+               "of sweeps), then `diloco tables` over their root.")
 # Seconds per training step of one run while two run at once on 2 shared cores (measured: tiny 990 steps
 # ≈ 120 s, toy 240 steps ≈ 230 s), used until the root has finished runs of that scale to measure.
 SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
@@ -356,12 +419,24 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--full", action="store_true",
                     help="the claims table at ≈20 tokens/parameter (experiments/claims.py): lr tuning, then "
                          "sweeps/claims.py; default root runs/full. Hours on 2 cores; resumable")
+    ap.add_argument("--beyond", action="store_true",
+                    help="beyond the paper (#33): [EU] Tables 2 and 3 (sweeps/eager.py) and 2-bit ± error feedback "
+                         "(sweeps/compression.py:tiny,ef and :tiny) at tiny, 8 seeds; default root runs/eager")
+    ap.add_argument("--note", default="", help="where this invocation's runs came from (e.g. the commit they ran "
+                    "from): kept in results/steps.json beside its steps and shown in README.md")
     ap.add_argument("--estimate", action="store_true", help="print the plan and time estimate, run nothing")
     ap.add_argument("--tables_only", "--tables-only", action="store_true",
                     help="train nothing: tables, claims and README.md from the runs already under --root")
     args = ap.parse_args(argv)
+    if args.full and args.beyond:
+        print("diloco reproduce: bad input: --full and --beyond are separate step groups: run one, then the other",
+              file=sys.stderr)
+        return 2
     if args.full and args.root == "runs/reproduce":
         args.root = "runs/full"
+    if args.beyond and args.root == "runs/reproduce":
+        args.root = "runs/eager"
+    group = args.full or args.beyond  # a named step group: no quick-job steps (bytes, simulator, τ filter)
     from diloco import report, sweep as sw
 
     root, out = Path(args.root), Path(args.out)
@@ -394,9 +469,11 @@ def main(argv: list[str]) -> int:
         plan = [("scaling", f"sweeps/c4_scaling.py:{args.scale}"), ("tau_alpha", f"sweeps/tau_alpha.py:{args.ablation_scale}")]
         if args.full:
             plan = FULL_PLAN
+        if args.beyond:
+            plan = BEYOND_PLAN
         loaded = [(name, spec, sw.load_sweep(str(REPO / spec))) for name, spec in plan if name not in skip]
         for name, _, s in loaded:
-            if args.full:
+            if group:
                 break
             if name == "tau_alpha":
                 s["points"] = [p for p in s["points"] if int(p["point"]["tau"]) in taus
@@ -406,6 +483,8 @@ def main(argv: list[str]) -> int:
         est, left = estimate_seconds(root, loaded, args.workers, extra, committed=out / "runs.csv")
         budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment; seeds "
                   + ", ".join(f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.full
+                  else "beyond the paper at tiny (200 steps): seeds " + ", ".join(
+                      f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.beyond
                   else "a SHORT budget (200–240 steps, one seed): quick to run, its gaps are not findings; "
                        "`diloco reproduce --full` runs the claims table")
         _say(f"{n} training runs ({counts}), {left} left, {args.workers} at a time, under {root}; "
@@ -419,6 +498,7 @@ def main(argv: list[str]) -> int:
                                                 *([] if args.process_per_run else ["--in-process"])]), secs, nrun))
             loaded = []
         failed = trained = skipped = 0
+        fresh: set[str] = set()  # steps that trained new runs
         with Progress(root, loaded, est):
             for name, spec, s in loaded:
                 _say(f"{name}: diloco sweep {spec} --root {root} -j {args.workers}")
@@ -427,24 +507,29 @@ def main(argv: list[str]) -> int:
                 failed += sum(r["status"] == "failed" for r in res)
                 trained += sum(r["status"] == "done" for r in res)
                 skipped += sum(r["status"] == "skipped" for r in res)
+                if any(r["status"] == "done" for r in res):
+                    fresh.add(name)
                 secs, nrun = sweep_seconds(root, s)
                 steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
                                                 *([] if args.process_per_run else ["--in-process"]),
                                                 *[f"--set={e[len('--config.'):]}" for e in extra]]), secs, nrun))
         out.mkdir(parents=True, exist_ok=True)
-        if "bytes" not in skip and not args.full:
+        if "bytes" not in skip and not group:
             _say("bytes: analytic paper-scale check (diloco bytes --scale 1B …)")
             files.append(bytes_analytic(out))
             steps.append(("bytes (analytic, 1B)", "diloco bytes --scale 1B --tokens 25B --method dp|diloco|streaming --H 100",
                           0.0, 0))
-        if "simulator" not in skip and not args.full:
+        if "simulator" not in skip and not group:
             _say("simulator: diloco simulate --paper-table --out results/simulator  ([SD] Table 4)")
             files += simulator(out)
             steps.append(("simulator Table 4", f"diloco simulate --paper-table --out {out / 'simulator'}", 0.0, 0))
         _say(f"tables: diloco tables --root {root} --out {out}")
         built = report.build(root, out)
         files += built.files
-        steps.append(("tables and plots", f"diloco tables --root {root} --out {out}", 0.0, 0))
+        tables_step = BEYOND_TABLES if args.beyond else "tables and plots"
+        steps.append((tables_step, f"diloco tables --root {root} --out {out}", 0.0, 0))
+        if trained:
+            fresh.add(tables_step)
         from diloco.report.write import write_if_changed
         from diloco.rundir import atomic_write_text
 
@@ -462,7 +547,7 @@ def main(argv: list[str]) -> int:
                                 "command": "diloco reproduce" + (" " + shlex.join(argv) if argv else ""),
                                 "trained": trained, "skipped": skipped, "failed": failed,
                                 "minutes": round((time.time() - t_start) / 60, 2)}) + "\n")
-        readme = write_readme(out, root, argv, steps, h)
+        readme = write_readme(out, root, argv, steps, h, note=args.note, trained=fresh)
     except ConfigError as e:
         print(f"diloco reproduce: bad input: {e}", file=sys.stderr)
         return 2

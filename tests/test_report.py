@@ -167,6 +167,11 @@ def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
     _record(full, "tau_alpha_tiny", "tau=0,alpha=0.0", "experiments/ablate_tau.py:tiny", 2.7,
             sweep_file="sweeps/tau_alpha.py")
     report.build(full, out, quiet=True)
+    # a step group's section and its steps' note (--note: where the runs came from) are generated, not hand-written
+    note = "they ran from a `git archive` of commit f2a883d (one data order)"
+    reproduce.write_readme(out, full, ["--beyond", "--note", note],
+                           [("eager_table2", f"diloco sweep sweeps/eager.py:table2,tiny --root {full}", 0.0, 0)],
+                           {"scaling": [], "tau_alpha": {}}, note=note)
     reproduce.write_readme(out, full, [], [], {"scaling": [], "tau_alpha": {}})
     before = {p.name: p.read_text() for p in out.iterdir() if p.suffix in (".csv", ".md")}
     assert {"table5_c4_scaling.csv", "ablation_tau_alpha_tiny.csv", "runs.csv", "README.md"} <= set(before)
@@ -183,6 +188,20 @@ def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
     assert len(pd.read_csv(out / "runs.csv")) == 5
     readme = (out / "README.md").read_text()
     assert "tau_alpha_tiny" in readme and "ablation_tau_alpha_tiny.md" in readme
+    # every section and every line outside the per-root lists is kept: the group's description and its note
+    section = lambda t: t[t.index(f"## {reproduce.BEYOND_TITLE}"):].split("\n## ")[0]
+    assert section(readme) == section(before["README.md"]) and note in section(readme)
+    assert reproduce.BEYOND_TEXT in readme and "`diloco reproduce --beyond`" in readme
+    heads = lambda t: [l for l in t.splitlines() if l.startswith("## ")]
+    assert heads(readme) == heads(before["README.md"])
+    assert all(l in readme for l in before["README.md"].splitlines() if not l.startswith(("- `", "Made by")))
+    # a rerun of the step that trains new runs drops the note (it may not hold for them); one that trains none keeps it
+    reproduce.write_readme(out, full, ["--beyond"], [("eager_table2", "diloco sweep sweeps/eager.py:table2,tiny", 0.0, 0)],
+                           {"scaling": [], "tau_alpha": {}})
+    assert note in (out / "README.md").read_text()
+    reproduce.write_readme(out, full, ["--beyond"], [("eager_table2", "diloco sweep sweeps/eager.py:table2,tiny", 0.0, 0)],
+                           {"scaling": [], "tau_alpha": {}}, trained={"eager_table2"})
+    assert note not in (out / "README.md").read_text() and reproduce.BEYOND_TITLE in (out / "README.md").read_text()
     assert "2 row(s) kept from the committed table" in (out / "table5_c4_scaling.md").read_text()
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["table5_c4_scaling"]["runs"] == 2 and prov["table5_c4_scaling"]["rows_kept_from_committed"] == 2

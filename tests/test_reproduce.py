@@ -71,6 +71,30 @@ def test_full_plan_is_the_claims_budget():
     assert {"claims_headline_tiny", "claims_headline_toy"} <= {sw.load_sweep(sp)["name"] for _, sp in reproduce.FULL_PLAN}
 
 
+def test_the_committed_readme_is_what_the_generator_writes_from_the_committed_records(tmp_path, monkeypatch):
+    """results/README.md is generated whole: regenerating it from the committed steps.json, runs.csv,
+    headline.json and files (no run records, no new steps) gives the committed text, so a hand-written
+    section (e.g. #33's provenance) would fail here; it belongs in a step group's description or a
+    step's --note (steps.json)."""
+    import shutil
+
+    repo = Path(reproduce.__file__).resolve().parents[1]
+    shutil.copytree(repo / "results", tmp_path / "results")
+    monkeypatch.chdir(tmp_path)  # the README names --out as given: results
+    out = Path("results")
+    committed = (out / "README.md").read_text()
+    h = json.loads((out / "headline.json").read_text())
+    reproduce.write_readme(out, Path("runs/reproduce"), [], [], h)
+    assert (out / "README.md").read_text() == committed
+    assert reproduce.BEYOND_TITLE in committed and "f2a883d" in committed  # #33's eager runs and their code
+
+
+def test_beyond_plan_is_the_eager_and_error_feedback_sweeps():
+    specs = {sw.load_sweep(sp)["name"]: sw.load_sweep(sp)["seeds"] for _, sp in reproduce.BEYOND_PLAN}
+    assert specs == {"eager_table2_tiny": 8, "eager_table3_tiny": 8, "compression_ef_tiny": 8, "compression_tiny": 1}
+    assert reproduce.main(["--full", "--beyond", "--estimate"]) == 2
+
+
 def test_headline_merges_with_the_committed_one():
     """A root with some of the headline's runs replaces those rows in place and keeps the others
     (the committed headline.json is never rewritten from the current root alone)."""
@@ -147,5 +171,7 @@ def test_reproduce_end_to_end_at_a_micro_budget_loses_nothing(tmp_path):
         elif p.name == "README.md" and len(p.parts) == 1:
             names = lambda f: {l.split("`")[1] for l in f.read_text().splitlines() if l.startswith("- `")}
             assert names(old) <= names(new)  # every sweep and file listed (a rerun sweep names its new root)
+            heads = lambda f: {l for l in f.read_text().splitlines() if l.startswith("## ")}
+            assert heads(old) <= heads(new)  # every section (e.g. #33's, from steps.json) still there
         else:
             assert p.suffix == ".png", f"{p} changed and is not a merged table, a plot or the README"
