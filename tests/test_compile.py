@@ -607,20 +607,13 @@ def test_paper_35m_streaming_compiles_for_v5e_2x2_with_its_defaults(shared_dir):
 
 
 @needs_libtpu
-def test_toy_dp_evaluation_compiles_with_splash_on_four_chips(capsys):
+def test_toy_dp_compiles_with_splash_on_four_chips_and_writes_no_persistent_cache(tmp_path, capsys):
     """DP at toy scale on v5e:2x2 (data 4, fsdp 1) resolves splash attention; its evaluation is traced
     outside any shard_map, so the kernel must find the mesh there (it did not: "Mosaic kernels cannot
-    be automatically partitioned")."""
-    rc = C.main(["--config", "experiments/toy.py:dp", "--topology", "v5e:2x2", "--programs", "eval"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "resolved attention: splash" in out and "\neval " in out, out
-
-
-@needs_libtpu
-def test_diloco_compile_writes_no_persistent_cache_entries(tmp_path):
-    """`diloco compile` turns JAX's persistent compilation cache off (deviceless TPU executables cannot
-    be read back: the next compile warned "PjRtCompiler must be constructed with a Client" for each;
-    and its seconds must be compiles): with a cache configured, nothing is written to it."""
+    be automatically partitioned"). And `diloco compile` turns JAX's persistent compilation cache off
+    (deviceless TPU executables cannot be read back: the next compile warned "PjRtCompiler must be
+    constructed with a Client" for each; its seconds must be compiles): with a cache configured, as a
+    user's would be, nothing is written to it."""
     import jax
 
     from diloco import cli
@@ -628,14 +621,16 @@ def test_diloco_compile_writes_no_persistent_cache_entries(tmp_path):
     keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     before = {k: getattr(jax.config, k) for k in keys}
     env = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))  # as a user's cache would be
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
-        assert cli.run(["compile", "--config", "experiments/toy.py:dp", "--topology", "v5e:2x2",
-                        "--programs", "inner"]) == 0
+        rc = cli.run(["compile", "--config", "experiments/toy.py:dp", "--topology", "v5e:2x2",
+                      "--programs", "inner,eval"])
     finally:
         for k, v in before.items():
             jax.config.update(k, v)
         os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None) if env is None else os.environ.update(
             JAX_ENABLE_COMPILATION_CACHE=env)
+    out = capsys.readouterr().out
+    assert rc == 0 and "resolved attention: splash" in out and "\neval " in out, out
     assert not (tmp_path / "jax").exists() or not list((tmp_path / "jax").iterdir())
