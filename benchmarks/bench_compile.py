@@ -27,7 +27,9 @@ def child(scale: str, topology: str, workers: int) -> dict:
 
     use_tpu_overlap_flags()  # as `diloco train` and the memory table compile
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-    from diloco.compile import paper_table as T
+    import importlib
+
+    T = importlib.import_module("diloco.compile.paper_table")  # the package exports a function of that name
     from diloco.compile.aot import compile_trainer, tpu_devices
     from diloco.config import validate
     from diloco.trainer import Trainer
