@@ -22,7 +22,11 @@ import time
 SPM = "/work/shared/data/vocab/sentencepiece_cc_all.32000.100extra-sentencepiece.model"
 
 
-def child(scale: str, topology: str, workers: int) -> dict:
+def paper_streaming_trainer(scale: str, topology: str):
+    """(cfg, devices, Trainer) of the paper-scale Streaming spec on a TPU topology, laid out as the memory
+    table lays it out (replicas on the replica axis, FSDP over each replica's chips), with the overlap
+    flags `diloco train` sets and JAX's persistent cache off. Uses only names a tree before #32 has too
+    (bench_fragment_memory.py runs it against older trees)."""
     from diloco.compile.overlap import use_tpu_overlap_flags
 
     use_tpu_overlap_flags()  # as `diloco train` and the memory table compile
@@ -30,7 +34,7 @@ def child(scale: str, topology: str, workers: int) -> dict:
     import importlib
 
     T = importlib.import_module("diloco.compile.paper_table")  # the package exports a function of that name
-    from diloco.compile.aot import compile_trainer, tpu_devices
+    from diloco.compile.aot import tpu_devices
     from diloco.config import validate
     from diloco.trainer import Trainer
 
@@ -38,7 +42,13 @@ def child(scale: str, topology: str, workers: int) -> dict:
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = cfg.replicas, 1, -1
     validate(cfg, check_data=False, num_devices=len(devices))
-    tr = Trainer(cfg, devices=devices)
+    return cfg, devices, Trainer(cfg, devices=devices)
+
+
+def child(scale: str, topology: str, workers: int) -> dict:
+    from diloco.compile.aot import compile_trainer
+
+    cfg, devices, tr = paper_streaming_trainer(scale, topology)
     t0 = time.time()
     got = compile_trainer(cfg, devices, tr=tr, workers=workers)
     return {"workers": got["compile"]["workers"], "wall_s": round(time.time() - t0, 1),

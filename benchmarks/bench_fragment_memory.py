@@ -6,31 +6,19 @@ programs can be set beside the per-fragment programs of an older tree (a `git wo
   PYTHONPATH=/wt/old  python benchmarks/bench_fragment_memory.py 10B v5p:2x4x4 'step+send 1,send 1' out_old.json
 
 (program names as `diloco compile` prints them for that tree). Used for #32's 10B comparison."""
-import importlib
 import json
 import os
 import sys
 import time
 
-from diloco.compile.overlap import use_tpu_overlap_flags
-
-use_tpu_overlap_flags()  # as `diloco train` and the memory table compile
-os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-import diloco  # noqa: E402
-from diloco.compile.aot import compile_trainer, tpu_devices  # noqa: E402
-from diloco.config import validate  # noqa: E402
-from diloco.trainer import Trainer  # noqa: E402
-
-T = importlib.import_module("diloco.compile.paper_table")  # the package exports a function of that name
-SPM = "/work/shared/data/vocab/sentencepiece_cc_all.32000.100extra-sentencepiece.model"
+import diloco
+from bench_compile import paper_streaming_trainer  # this folder is on sys.path when the script runs
 
 
 def main(scale: str, topology: str, programs: str, out: str) -> None:
-    cfg = T.paper_config(scale, "Streaming", os.environ.get("DILOCO_SPM", SPM))
-    devices = tpu_devices(topology)
-    cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = cfg.replicas, 1, -1
-    validate(cfg, check_data=False, num_devices=len(devices))
-    tr = Trainer(cfg, devices=devices)
+    from diloco.compile.aot import compile_trainer
+
+    cfg, devices, tr = paper_streaming_trainer(scale, topology)
     t0 = time.time()
     try:
         got = compile_trainer(cfg, devices, set(programs.split(",")), tr=tr, workers=1)
