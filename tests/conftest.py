@@ -38,9 +38,19 @@ def pytest_runtest_makereport(item, call):
     if CI and rep.skipped and not hasattr(rep, "wasxfail"):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         if any(m in reason for m in MUST_RUN_IN_CI):
-            _CI_SKIPS.append((item.nodeid, reason))
             rep.outcome = "failed"
-            rep.longrepr = f"{item.nodeid} would skip ({reason}): under CI=true that is a failure"
+            rep.longrepr = f"{item.nodeid} would skip ({reason}){_CI_FAILURE}"
+
+
+_CI_FAILURE = ": under CI=true that is a failure"
+
+
+def pytest_runtest_logreport(report):
+    """Collects the CI-skip failures where the summary is written: in this process, or in the xdist
+    controller, which sees every worker's reports (the makereport above runs in the worker)."""
+    text = str(report.longrepr) if report.failed else ""
+    if text.endswith(_CI_FAILURE) and text.startswith(f"{report.nodeid} would skip ("):
+        _CI_SKIPS.append((report.nodeid, text[len(report.nodeid) + len(" would skip ("):-len(_CI_FAILURE) - 1]))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the `tpu` tier follows from the need itself

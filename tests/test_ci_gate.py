@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
 
@@ -26,14 +27,15 @@ def scratch_project(tmp_path, body: dict[str, str]):
     """A copy of .ci/run beside a pytest project with one test per tier; `body[tier]` is that test's body."""
     (tmp_path / ".ci").mkdir()
     shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
-    (tmp_path / "pyproject.toml").write_text(textwrap.dedent("""
+    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    (tmp_path / "pyproject.toml").write_text(textwrap.dedent(f"""
         [tool.pytest.ini_options]
-        addopts = "-m 'not slow' -p no:cacheprovider"
+        addopts = "{addopts}"
         testpaths = ["tests"]
         markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu"]
-    """))
+    """))  # our addopts: the default tier runs on pytest-xdist workers, as ours does
     (tmp_path / "tests").mkdir()
-    tests = ["import time\nimport pytest\n"]
+    tests = ["import os\nimport time\nimport pytest\n"]
     for t in TIERS:
         tests.append(f"{MARKS[t]}\ndef test_{t}():\n    {body.get(t, 'pass')}\n")
     (tmp_path / "tests" / "test_tiers.py").write_text("\n".join(tests))
@@ -79,12 +81,17 @@ def test_a_failing_test_in_any_tier_fails_ci(tmp_path, tier):
     assert all(s[t].endswith("— ok") for t in TIERS if t != tier), s
 
 
-def test_a_tier_that_hangs_is_killed_at_its_limit_and_fails(tmp_path):
-    r = ci_run(scratch_project(tmp_path, {"multiprocess": "time.sleep(120)"}), CI_TIER_LIMIT_S="8")
+@pytest.mark.parametrize("tier", ["multiprocess", "e2e"])  # in the pytest process | on an xdist worker
+def test_a_tier_that_hangs_is_killed_at_its_limit_and_fails(tmp_path, tier):
+    hung = tmp_path / "hung.pid"
+    body = f"open({str(hung)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    r = ci_run(scratch_project(tmp_path, {tier: body}), CI_TIER_LIMIT_S="25")  # 2 xdist workers start in < 25 s
     assert r.returncode == 1, r.stdout + r.stderr
     s = summary(r)
-    assert s["multiprocess"].endswith("FAILED: killed at its 8 s limit"), s
-    assert all(s[t].endswith("— ok") for t in TIERS if t != "multiprocess"), s
+    assert s[tier].endswith("FAILED: killed at its 25 s limit"), s
+    assert all(s[t].endswith("— ok") for t in TIERS if t != tier), s
+    pid = int(hung.read_text())  # the process running the hung test is gone, worker or not
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z", pid
 
 
 def test_under_ci_a_test_skipped_for_missing_libtpu_fails(tmp_path):

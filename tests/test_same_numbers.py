@@ -68,6 +68,27 @@ EXPECTED = {
     "scan_streaming_tau2_sequential": "d5722b3d763d5f6ddf1d88c6c07f23ea7281e00e4ed99bc5ae5d90bb6e3a71f9",
     "scan_streaming_tau1_e3m0_chips2": "3c331320688337891658614d28f6b16f9ceb3dbc65030e3ad8facf75276caa14",
 }
+# The same commit (1fae91b, the code of the table above) on a second machine class: AMD EPYC, AVX2 without
+# AVX-512, Python 3.11.7 built 2026-05-09 (the stdlib corpus includes _sysconfigdata, which names the build
+# folder). The probe prints the same FINGERPRINT there, so which of the two (XLA:CPU's ISA-dependent kernels
+# or the corpus' bytes) moves the hashes is not known; a change to the numbers moves them on both machines.
+EXPECTED_AVX2 = {
+    "dp": "2afc65277c822e3f997983f98001954129e37cfd1c25b1607206f467c272802a",
+    "diloco": "a1d93a7c67a42e488a9049bef055eddf2ef1bb28617f742e28ba906a64e53f45",
+    "streaming_tau0_strided_bf16": "91ace15c96db7c97be176fe4d2a6ffc4cec6c13cff541cc8281dc60f84496ce5",
+    "streaming_tau1": "9f49e179fd832956510e503f0c2fdcca47ccb958d88381d4f5ee343a43cfada9",
+    "streaming_tau1_in_step": "9f49e179fd832956510e503f0c2fdcca47ccb958d88381d4f5ee343a43cfada9",
+    "streaming_tau1_comm": "9f49e179fd832956510e503f0c2fdcca47ccb958d88381d4f5ee343a43cfada9",
+    "streaming_tau2_sequential": "eadbb0cdd078582fd0dfba9422edc1b2633240d099b121379195ef82a3fe2c02",
+    "streaming_tau2_sequential_in_step": "eadbb0cdd078582fd0dfba9422edc1b2633240d099b121379195ef82a3fe2c02",
+    "streaming_tau2_sequential_comm": "eadbb0cdd078582fd0dfba9422edc1b2633240d099b121379195ef82a3fe2c02",
+    "streaming_tau1_e3m0_chips2": "38f21fcda7c9f26acf48115f13ad3b26c728f78bec0e2b9fd8b8ce5306fab127",
+    "streaming_tau1_fp8_chips2": "f268d374bc42009e75fb2b20a599bb12758db2dbf320f6745a81cd131fa3860d",
+    "scan_streaming_tau1": "2af52599ea6cd7ecb43b7f7e72240cceea7706ef7307881fb56aaaf00e8418dd",
+    "scan_streaming_tau2_sequential": "1e6f72ec334d3b816895964d6039383ed514eec695609fbd3d7973d8ffff77a3",
+    "scan_streaming_tau1_e3m0_chips2": "bb1643aee28143be9015c76f400cb5632992146617ee9d68e5550e484b7515d6",
+}
+TABLES = {"recorded machine (#30)": EXPECTED, "AMD EPYC, AVX2": EXPECTED_AVX2}
 
 SCRIPT = r"""
 import json, sys
@@ -126,8 +147,11 @@ def test_params_sha256_of_every_method_and_placement_is_the_recorded_one(tmp_pat
         for suffix in ("_in_step", "_comm"):
             if name.endswith(suffix):
                 assert got[name] == got[name[:-len(suffix)]], name
+    if got in TABLES.values():  # one recorded machine's table, whole: every run's numbers unchanged
+        return
     if fingerprint != FINGERPRINT:  # another instruction set: other roundings, other hashes
         pytest.skip(f"XLA:CPU here rounds a fixed probe program differently ({fingerprint[:12]}) from the "
-                    f"machine the table was recorded on ({FINGERPRINT[:12]}): only the placements' equality "
+                    f"machines the tables were recorded on ({FINGERPRINT[:12]}): only the placements' equality "
                     "was checked; the printed table is this machine's")
-    assert got == EXPECTED
+    closest = min(TABLES, key=lambda m: sum(got[n] != TABLES[m][n] for n in RUNS))
+    assert got == TABLES[closest], f"the numbers moved (compared with the table of the {closest})"

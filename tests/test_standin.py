@@ -188,8 +188,9 @@ def test_a_resource_waits_for_capacity_until_it_arrives(standin, tmp_path):
     assert standin.state("held") == "WAITING_FOR_RESOURCES" and standin.processes("held") == []
     assert [(h.slice, h.worker, h.node_id) for h in standin.hosts("held")] == [(0, 0, "held")]  # one host
     assert "MEGASCALE_NUM_SLICES" not in standin.host_env("held", 0, 0)  # single slice: no multislice variables
-    standin.set_state("held", "ACTIVE")
-    assert [p["host"] for p in standin.processes("held")] == ["slice0-worker0"]
+    standin.set_state("held", "ACTIVE")  # the startup script starts (a moment later, as on a VM: poll)
+    standin.wait_for(lambda: [p["host"] for p in standin.processes("held")] == ["slice0-worker0"],
+                     timeout=10, what="the startup script running on slice0-worker0")
     standin.delete("held", force=True, asynchronous=True)
     assert standin.state("held") == "DELETING"
     standin.wait_for(lambda: standin.resource("held") is None and standin._pids(standin.root) == [],

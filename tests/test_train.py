@@ -408,22 +408,24 @@ def run_exchange(cfg, bs, settle_at=(), settle_end=True):
 
 
 PLACEMENT_SCRIPT = r"""
-import json, sys
+import json, sys, traceback
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, "tests")
 from conftest import tiny_config
 from diloco.trainer import Trainer
-placement, kws = sys.argv[1], json.loads(sys.argv[2])
+kws = json.loads(sys.argv[1])
 d = jax.devices()
 rng = np.random.default_rng(0)
 bs = [rng.integers(2, 200, size=(8, 32), dtype=np.int32) for _ in range(10)]
-def run(kw, name, settle_at=()):
-    checks, now = [], [0]
+def trainer(kw, name, checks, now):
     cfg = tiny_config("streaming", H=4, steps=10, batch_size=8,
                       exchange="blocking" if name == "comm_device" else name, **kw)
     tr = Trainer(cfg, devices=d[:2], comm_devices=d[2:] if name == "comm_device" else None,
                  check=lambda s, p, ts, f: checks.append((now[0], p, ts)))
     assert tr.driver.exchange == name and tr.plan.exchange == name, (tr.driver.exchange, tr.plan.why)
+    return tr
+def run(tr, checks, now, settle_at=()):
+    checks.clear()
     st = tr.fresh_state()
     for t, b in enumerate(bs, 1):
         now[0] = t
@@ -433,42 +435,58 @@ def run(kw, name, settle_at=()):
             st = tr.placement.settle(st)
             assert tr.placement.in_flight() == []
     st = tr.placement.settle(st)
-    return tr, [np.asarray(x) for x in jax.tree_util.tree_leaves(st)], checks
+    assert tr.placement.in_flight() == []
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(st)], list(checks)
+failures = {"blocking": [], "in_step": [], "comm_device": []}
 for kw in kws:
-    _, ref, ref_checks = run(kw, "blocking")
+    checks, now = [], [0]
+    ref, ref_checks = run(trainer(kw, "blocking", checks, now), checks, now)
     assert len(ref_checks) >= 4 and all(t == ts for t, p, ts in ref_checks)  # blocking: checked at the send
-    for settle_at in ((4, 5, 9),) if placement == "blocking" else ((), (4, 5, 9)):
-        tr, got, checks = run(kw, placement, settle_at)
-        for x, y in zip(ref, got, strict=True):
-            np.testing.assert_array_equal(x, y)
-        # one check per send, in the same order, once its average landed (at or after the send)
-        assert [(p, ts) for _, p, ts in checks] == [(p, ts) for _, p, ts in ref_checks], (checks, ref_checks)
-        assert all(t >= ts for t, p, ts in checks)
-        kinds = {k[0] for k in tr.driver.programs()}
-        if placement == "in_step":
-            assert "step+send" in kinds and ("send" in kinds) == bool(settle_at)  # only a settle runs one
-            assert all(t == ts + 1 for t, p, ts in checks) or settle_at
-        if placement == "comm_device":
-            assert "send" not in kinds and (all(t > ts for t, p, ts in checks) or settle_at)
-    print("checked", kw, flush=True)
-print("OK")
+    for placement in failures:
+        try:  # one trainer per placement runs both schedules (its programs compiled once, reused from a fresh state)
+            tr = trainer(kw, placement, checks, now)
+            for settle_at in ((4, 5, 9),) if placement == "blocking" else ((), (4, 5, 9)):
+                got, got_checks = run(tr, checks, now, settle_at)
+                for x, y in zip(ref, got, strict=True):
+                    np.testing.assert_array_equal(x, y)
+                # one check per send, in the same order, once its average landed (at or after the send)
+                assert [(p, ts) for _, p, ts in got_checks] == [(p, ts) for _, p, ts in ref_checks], (got_checks, ref_checks)
+                assert all(t >= ts for t, p, ts in got_checks)
+                kinds = {k[0] for k in tr.driver.programs()}
+                if placement == "in_step":  # only a settle runs a standalone send (the second schedule)
+                    assert "step+send" in kinds and ("send" in kinds) == bool(settle_at), kinds
+                    assert all(t == ts + 1 for t, p, ts in got_checks) or settle_at
+                if placement == "comm_device":
+                    assert "send" not in kinds and (all(t > ts for t, p, ts in got_checks) or settle_at)
+        except Exception:
+            failures[placement].append(f"{kw}: {traceback.format_exc()}")
+print("RESULT " + json.dumps(failures), flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def placement_failures():
+    """One subprocess with 4 fake CPU devices runs the blocking reference of each schedule once and every
+    placement against it; {placement: [failures]}."""
+    kws = [dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0"),
+           dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none"),      # τ > H/P: two fragments in flight
+           dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="bf16", pattern="sequential")]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
+    r = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT, json.dumps(kws)], capture_output=True,
+                       text=True, cwd=REPO, env=env)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 @pytest.mark.parametrize("placement", ["blocking", "in_step", "comm_device"])
-def test_every_exchange_placement_gives_the_blocking_numbers(placement):
+def test_every_exchange_placement_gives_the_blocking_numbers(placement, placement_failures):
     """Every placement of diloco/outer/placement.py (the optax pattern: one test over every
     implementation) ends bit-identical to the blocking send, also when checkpoints settle it early
     (nothing in flight after settle); the pending check runs once per send, in the send order, when
     the average has landed: blocking at the send, in_step on the next step, comm_device later (at the
     apply). 4 fake CPU devices: 2 compute (replicas on `replica`), 2 comm devices."""
-    kws = [dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0"),
-           dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none"),      # τ > H/P: two fragments in flight
-           dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="bf16", pattern="sequential")]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT, placement, json.dumps(kws)], capture_output=True,
-                       text=True, cwd=REPO, env=env)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    assert placement_failures[placement] == [], "\n".join(placement_failures[placement])
 
 
 def test_comm_devices_the_mesh_cannot_use_fall_back_to_the_plans_placement(capsys):
