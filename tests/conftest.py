@@ -39,18 +39,14 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         if any(m in reason for m in MUST_RUN_IN_CI):
             rep.outcome = "failed"
-            rep.longrepr = f"{item.nodeid} would skip ({reason}){_CI_FAILURE}"
-
-
-_CI_FAILURE = ": under CI=true that is a failure"
+            rep.longrepr = f"{item.nodeid} would skip ({reason}): under CI=true that is a failure"
+            rep.user_properties.append(("ci_skip", reason))  # travels with the report to xdist's controller
 
 
 def pytest_runtest_logreport(report):
     """Collects the CI-skip failures where the summary is written: in this process, or in the xdist
     controller, which sees every worker's reports (the makereport above runs in the worker)."""
-    text = str(report.longrepr) if report.failed else ""
-    if text.endswith(_CI_FAILURE) and text.startswith(f"{report.nodeid} would skip ("):
-        _CI_SKIPS.append((report.nodeid, text[len(report.nodeid) + len(" would skip ("):-len(_CI_FAILURE) - 1]))
+    _CI_SKIPS.extend((report.nodeid, v) for k, v in report.user_properties if k == "ci_skip")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the `tpu` tier follows from the need itself

@@ -440,11 +440,12 @@ def run(tr, checks, now, settle_at=()):
 failures = {"blocking": [], "in_step": [], "comm_device": []}
 for kw in kws:
     checks, now = [], [0]
-    ref, ref_checks = run(trainer(kw, "blocking", checks, now), checks, now)
+    blocking = trainer(kw, "blocking", checks, now)
+    ref, ref_checks = run(blocking, checks, now)
     assert len(ref_checks) >= 4 and all(t == ts for t, p, ts in ref_checks)  # blocking: checked at the send
     for placement in failures:
-        try:  # one trainer per placement runs both schedules (its programs compiled once, reused from a fresh state)
-            tr = trainer(kw, placement, checks, now)
+        try:  # one trainer per placement runs every schedule (programs compiled once, rerun from a fresh state)
+            tr = blocking if placement == "blocking" else trainer(kw, placement, checks, now)
             for settle_at in ((4, 5, 9),) if placement == "blocking" else ((), (4, 5, 9)):
                 got, got_checks = run(tr, checks, now, settle_at)
                 for x, y in zip(ref, got, strict=True):
