@@ -184,6 +184,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
         raise ConfigError("alpha", f"{cfg.alpha} must be in [0, 1]")
     if cfg.outer.lr <= 0 or not 0 <= cfg.outer.momentum < 1:
         raise ConfigError("outer", f"need outer.lr > 0 and 0 ≤ outer.momentum < 1 (got {cfg.outer.lr}, {cfg.outer.momentum})")
+    _validate_outer_name(cfg)
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
     _one_of(cfg, "model.remat_policy", ("auto", "none", "full", "save_dots"))
@@ -231,6 +232,21 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
 
         validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len)
         validate_data(cfg.data, cfg.vocab, cfg.data_dir or None, cfg.seq_len, split="validation")  # eval loss
+
+
+def _validate_outer_name(cfg) -> None:
+    """outer.name: an optax constructor of diloco/outer/sync.py OUTER_OPTIMIZERS."""
+    from diloco.outer.sync import LINEAR, OUTER_OPTIMIZERS
+
+    name = cfg.outer.get("name", "nesterov")
+    if name == "muon":
+        raise ConfigError("outer.name", "muon needs the outer state per parameter matrix (optax.contrib.muon refuses "
+                          "rank < 2) and the outer state is one flat vector per fragment; use nesterov, sgd, adam or adamw")
+    if name not in OUTER_OPTIMIZERS:
+        raise ConfigError("outer.name", f"{name!r}; valid: {', '.join(OUTER_OPTIMIZERS)}")
+    if name not in LINEAR and cfg.get("eager", "off") in ("swap", "mix"):
+        raise ConfigError("outer.name", f"{name} with eager={cfg.eager}: the evaluated θᵍ (the replicas' mean) is "
+                          "what one optimizer would hold only for a step linear in Δ (nesterov, sgd); use eager=naive")
 
 
 def _validate_eager(cfg) -> None:

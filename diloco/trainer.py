@@ -102,7 +102,7 @@ class Trainer:
             frags = make_fragments(self.param_shapes, self.mcfg.layers, cfg.layers_per_fragment, cfg.fragments,
                                    cfg.pattern, cfg.embed_fragment)
             sync = OuterSync(frags, codec_from_config(cfg),
-                             outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov), cfg.alpha,
+                             outer_optimizer(**cfg.outer), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
             if eager_driver.wanted(cfg):  # eager updates / error feedback: their own sends, the plan's placement
                 self.driver = eager_driver.EagerDriver(

@@ -48,7 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eager_rounds = 1
     c.error_feedback = False       # each replica re-sends what its codec dropped (a residual per fragment)
 
-    c.outer = ml_collections.ConfigDict(dict(lr=0.4, momentum=0.9, nesterov=True))
+    # the outer optimizer by name: nesterov (the paper's) | sgd | adam | adamw (diloco/outer/sync.py
+    # OUTER_OPTIMIZERS); momentum is Adam's b1; b2, eps, weight_decay are Adam's / AdamW's
+    c.outer = ml_collections.ConfigDict(dict(name="nesterov", lr=0.4, momentum=0.9, b2=0.999, eps=1e-8,
+                                             weight_decay=1e-4))
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=3e-3, warmup_steps=30, min_lr_ratio=0.05, weight_decay=0.1, b1=0.9, b2=0.99, clip_norm=1.0))
     # remat_policy: none | full | save_dots | auto; attention: xla | dot_product | cudnn | splash | auto (splash

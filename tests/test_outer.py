@@ -139,6 +139,35 @@ def test_missing_replica_contributes_nothing():
     np.testing.assert_allclose(np.asarray(outer.pending[0]), -1.0)  # only replica 0's Δ = 0 − 1
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_outer_adam_by_name_is_adam_by_hand(name):
+    """outer.name=adam/adamw: two sends + updates of one fragment against Adam(W) written out in numpy on
+    the same averaged Δ (lr 0.1, b1 0.9, b2 0.99, eps 1e-8, weight decay 0.01 for adamw)."""
+    params = {"block_0": {"w": jnp.array([1.0, -2.0, 0.5])}}
+    sync = OuterSync(make_fragments(params, 1), codecs.make_codec("none"),
+                     outer_optimizer(0.1, 0.9, name, b2=0.99, eps=1e-8, weight_decay=0.01), 0.0)
+    outer, x, m, v = sync.init(params), np.array([1.0, -2.0, 0.5]), 0.0, 0.0
+    for t, c in enumerate(([0.3, -0.1], [-0.2, 0.4]), 1):
+        params_R = {"block_0": {"w": jnp.asarray(np.stack([x - c[0], x - c[1] * x]), jnp.float32)}}
+        g = x - np.asarray(params_R["block_0"]["w"], np.float64).mean(0)  # the averaged Δ
+        outer = sync.update(sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2)), 0)
+        m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
+        x = x - 0.1 * ((m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.99 ** t)) + 1e-8) + (0.01 * x if name == "adamw" else 0))
+        np.testing.assert_allclose(np.asarray(outer.params["block_0"]["w"]), x, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_names_refused_in_one_line():
+    from conftest import tiny_config
+    from diloco.errors import ConfigError
+
+    for over, msg in (({"outer.name": "lion"}, "'lion'; valid: nesterov, sgd, adam, adamw"),
+                      ({"outer.name": "muon"}, "rank < 2"),
+                      ({"outer.name": "adam", "eager": "swap", "tau": 0}, "linear in Δ")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            tiny_config("streaming", **over)
+        assert e.value.field == "outer.name"
+
+
 @pytest.mark.parametrize("pattern,expected", [
     ("sequential", [["block_0", "block_1", "block_2", "embed", "final_norm"], ["block_3", "block_4", "block_5"]]),
     ("strided", [["block_0", "block_2", "block_4", "embed", "final_norm"], ["block_1", "block_3", "block_5"]]),

@@ -4,8 +4,8 @@ The algorithm contract these implement is stated once, in docs/architecture.md.
   send(p):    Δ_m,p = θ^g_p − θ_m,p on every replica → encode → exchanged over the `replica`
               mesh axis as the encoded arrays (all-gather of the payload) → decoded and averaged in
               FP32 on arrival → held in `pending[p]` until applied.
-  update(p):  one Nesterov-SGD step of fragment p's outer params with pending[p] (per-fragment
-              optax state: a non-synced fragment's momentum is never touched).
+  update(p):  one outer-optimizer step (config `outer.name`, Nesterov by default) of fragment p's outer
+              params with pending[p] (per-fragment optax state: a non-synced fragment's is never touched).
   merge(p):   θ_m,p ← α·θ_m,p + (1−α)·θ^g_p on the replicas in `mask`.
 
 Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is identical
@@ -37,13 +37,27 @@ from diloco.outer.fragments import Fragments
 @struct.dataclass
 class OuterState:
     params: Any                  # θᵍ: the model's parameter tree, no replica axis
-    opt: tuple                   # one optax (Nesterov SGD) state per fragment, over its flat fp32 vector
+    opt: tuple                   # one outer-optimizer (optax) state per fragment, over its flat fp32 vector
     pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
     extra: Any = None            # eager updates / error feedback buffers (eager_sync.Extra); None when off
 
 
-def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
-    return optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
+# The outer optimizer by name (config `outer.name`): the optax constructor, given outer.lr, outer.momentum
+# (Adam's b1) and the rest of `outer` (b2, eps, weight_decay). LINEAR: the step is linear in Δ at a fixed
+# state, which eager swap/mix's consensus (the mean of the replicas' θᵍ_m) rests on (diloco/outer/eager.py).
+OUTER_OPTIMIZERS = {
+    "nesterov": lambda lr, mu, **_: optax.sgd(lr, momentum=mu or None, nesterov=mu > 0),  # the paper's
+    "sgd": lambda lr, mu, **_: optax.sgd(lr, momentum=mu or None),
+    "adam": lambda lr, mu, b2=0.999, eps=1e-8, **_: optax.adam(lr, b1=mu, b2=b2, eps=eps),
+    "adamw": lambda lr, mu, b2=0.999, eps=1e-8, weight_decay=1e-4, **_: optax.adamw(
+        lr, b1=mu, b2=b2, eps=eps, weight_decay=weight_decay),
+}
+LINEAR = ("nesterov", "sgd")
+
+
+def outer_optimizer(lr: float, momentum: float = 0.0, name: str = "nesterov", **kw) -> optax.GradientTransformation:
+    """OUTER_OPTIMIZERS[name] (config `outer`: `outer_optimizer(**cfg.outer)`)."""
+    return OUTER_OPTIMIZERS[name](lr, momentum, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +177,7 @@ class OuterSync:
         return outer.replace(params=params, opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
 
     def outer_step(self, g_params, opt_p, pending_n: jax.Array, p: int, starts=None):
-        """One Nesterov step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state)."""
+        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state)."""
         g_n = self.frags.flatten(g_params, p, starts)
         upd_n, opt_p = self.tx.update(pending_n, opt_p, g_n)
         return self.frags.unflatten(g_params, p, g_n + upd_n, starts), opt_p
