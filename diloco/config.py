@@ -211,7 +211,9 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
             raise ConfigError("method", "diloco is P=1, tau=0; for fragments or overlap use method=streaming")
         P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
         sched = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
-        if cfg.exchange == "in_step" and sched.tau_min < 1 and cfg.get("eager", "off") == "off":  # eager: D rounds later
+        from diloco.outer.rules import make_rule
+
+        if cfg.exchange == "in_step" and sched.tau_min < 1 and not make_rule(cfg).round_in_send:  # eager: D rounds later
             raise ConfigError("exchange", "in_step runs a send's exchange inside the next inner step, so it needs "
                               f"tau ≥ 1 (got tau={sched.tau_min}); use exchange=blocking or exchange=auto")
         codec_from_config(cfg)

@@ -120,11 +120,13 @@ def exchange(cfg, platform: str, mesh=None, comm_devices=None) -> tuple[str, str
 
     P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
     tau_min = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau).tau_min
-    eager = cfg.get("eager", "off") != "off"  # a round's average is applied D rounds later, whatever τ
+    from diloco.outer.rules import make_rule
+
+    later = make_rule(cfg).round_in_send  # eager: a round's average is applied D rounds later, whatever τ
     asked = cfg.exchange == "in_step" or (cfg.exchange == "auto" and platform in ("tpu", "gpu"))
-    if asked and (tau_min >= 1 or eager):
+    if asked and (tau_min >= 1 or later):
         return "in_step", why_not + ("set in the config" if cfg.exchange == "in_step"
-                                     else f"{platform}, eager: the exchange rides on the next step" if eager
+                                     else f"{platform}, eager: the exchange rides on the next step" if later
                                      else f"{platform}, τ ≥ 1: the exchange rides on the next step")
     if asked:
         return "blocking", why_not + "τ = 0: the average is applied right after the send"

@@ -131,7 +131,7 @@ class Layout:
 
     def state_shardings(self, state: Any) -> Any:
         """The shardings of a TrainState-shaped tree (params/opt replica-stacked; outer θᵍ, flat vectors)."""
-        from diloco.outer import eager_sync
+        from diloco.outer import rules
 
         rep = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
             lambda p, x: self.param_sharding(x.shape, self.names_at(p)) if x.ndim >= 1 else self.replicated_sharding,
@@ -142,5 +142,5 @@ class Layout:
             outer = state.outer.replace(
                 params=self.outer_param_shardings(state.outer.params),
                 opt=flat(state.outer.opt), pending=flat(state.outer.pending),
-                extra=eager_sync.shardings(state.outer.extra, self.mesh))
+                extra=rules.shardings(state.outer.extra, self.mesh))
         return state.replace(params=rep(state.params), opt=rep(state.opt), step=self.replicated_sharding, outer=outer)

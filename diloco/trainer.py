@@ -28,7 +28,7 @@ from diloco.distributed import aligned_jit
 from diloco.data import get_vocabulary
 from diloco.model import ModelConfig, Transformer, loss_fn
 from diloco.outer.codecs import codec_from_config
-from diloco.outer import eager_driver, eager_sync
+from diloco.outer import rules
 from diloco.outer.driver import OuterDriver
 from diloco.outer.fragments import make_fragments
 from diloco.outer.schedule import make_schedule
@@ -104,16 +104,12 @@ class Trainer:
             sync = OuterSync(frags, codec_from_config(cfg),
                              outer_optimizer(**cfg.outer), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
-            if eager_driver.wanted(cfg):  # eager updates / error feedback: their own sends, the plan's placement
-                self.driver = eager_driver.EagerDriver(
-                    sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau), self.R, cfg.seed,
-                    cfg.eager, self.plan.exchange, self._overlap(sync, comm_devices, timeline), self.constrain,
-                    inner_step=self.inner_step, check=check)
-            else:  # the plan's placement of each send's exchange (diloco/outer/placement.py)
-                self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
-                                          self.R, cfg.seed, self.plan.exchange,
-                                          self._overlap(sync, comm_devices, timeline), self.constrain,
-                                          pin_flat=self.pin_flat, inner_step=self.inner_step, check=check)
+            # the plan's placement of each send's exchange (diloco/outer/placement.py), the config's rule
+            self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
+                                      self.R, cfg.seed, self.plan.exchange,
+                                      self._overlap(sync, comm_devices, timeline), self.constrain,
+                                      pin_flat=self.pin_flat, inner_step=self.inner_step, check=check,
+                                      rule=rules.make_rule(cfg))
         self._jit: dict[Any, Any] = {}
 
     def _overlap(self, sync, comm_devices, timeline):
@@ -156,12 +152,8 @@ class Trainer:
                           outer=self.init_outer(params) if self.sync is not None else None)
 
     def init_outer(self, params):
-        """θᵍ and its optimizer state; the eager / error-feedback buffers when on (else `extra` None)."""
-        outer = self.sync.init(params)
-        if eager_driver.wanted(self.cfg):
-            outer = outer.replace(extra=eager_sync.init(self.sync, params, self.R, self.cfg.eager,
-                                                         self.cfg.eager_rounds, self.cfg.error_feedback))
-        return outer
+        """θᵍ and its optimizer state; the rule's buffers (diloco/outer/rules.py; None for plain sends)."""
+        return self.sync.init(params).replace(extra=rules.init(self.driver.rule, self.sync, params, self.R))
 
     # -- layout (diloco/sharding.py) ---------------------------------------------------------------
     def shardings(self, state: TrainState) -> TrainState:
@@ -198,7 +190,7 @@ class Trainer:
     def eval_params(self, state: TrainState):
         """θᵍ for the DiLoCo family, the (only) replica for DP."""
         if state.outer is not None:
-            return eager_sync.consensus(self.sync, state.outer)  # θᵍ; the replicas' mean if theirs differ
+            return self.driver.rule.eval_params(self.sync, state.outer)  # θᵍ; the replicas' mean if theirs differ
         return jax.tree_util.tree_map(lambda x: x[0], state.params)
 
     def drained(self, state: TrainState, t: int) -> tuple[TrainState, TrainState, list[int]]:

@@ -130,7 +130,7 @@ def test_bad_settings_name_the_field(mode, rounds, field):
     assert eager.per_replica("swap") and eager.per_replica("mix") and not eager.per_replica("naive")
 
 
-# --- the jax programs on the trainer's outer state (diloco/outer/eager_sync.py) against EagerRef ---------
+# --- the rules on the trainer's outer state (diloco/outer/rules.py, what the send programs run) against EagerRef ---
 
 
 def _toy_sync(P, alpha=0.0, codec="none"):
@@ -153,12 +153,12 @@ def test_eager_round_matches_the_float64_reference(mode, rounds, alpha):
     import jax
     import jax.numpy as jnp
 
-    from diloco.outer import eager_sync
+    from diloco.outer import rules
 
     params, sync = _toy_sync(2, alpha)
     params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), params)
-    outer = sync.init(params)
-    outer = outer.replace(extra=eager_sync.init(sync, params, 2, mode, rounds))
+    rule = rules.Eager(mode, rounds)
+    outer = sync.init(params).replace(extra=rules.init(rule, sync, params, 2))
     refs = [eager.EagerRef(mode, np.asarray(sync.frags.flatten(params, p)), 2, lr=0.7, momentum=0.9, alpha=alpha,
                            rounds=rounds) for p in range(2)]
     c = jnp.array([0.25, -0.5])
@@ -167,26 +167,36 @@ def test_eager_round_matches_the_float64_reference(mode, rounds, alpha):
         for p in range(2):
             local = np.asarray(jax.vmap(lambda th: sync.frags.flatten(th, p))(params_R), np.float64)
             want = refs[p].round(local)
-            params_R, outer = eager_sync.eager_round(sync, params_R, outer, p, jax.random.PRNGKey(t), jnp.ones(2))
+            params_R, outer = _send(rule, sync, params_R, outer, p, jax.random.PRNGKey(t))
             got = np.asarray(jax.vmap(lambda th: sync.frags.flatten(th, p))(params_R))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{mode} t={t} p={p}")
-    cons = eager_sync.consensus(sync, outer)
+    cons = rule.eval_params(sync, outer)
     for p in range(2):
         np.testing.assert_allclose(np.asarray(sync.frags.flatten(cons, p)), refs[p].outer.mean(0), rtol=1e-5, atol=1e-5)
+
+
+def _send(rule, sync, params_R, outer, p, key):
+    """rules.send on fragment p's view of the whole outer state (what the driver's send program runs)."""
+    import jax.numpy as jnp
+
+    from diloco.outer import rules
+
+    params_R, v = rules.send(rule, sync, params_R, rules.view(outer, p), p, key, jnp.ones(2))
+    return params_R, rules.put(outer, p, v)
 
 
 def test_feedback_send_lossless_is_the_plain_send_bit_for_bit():
     import jax
     import jax.numpy as jnp
 
-    from diloco.outer import eager_sync
+    from diloco.outer import rules
 
     params, sync = _toy_sync(2)
     params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x - 0.3, x + 0.1]), params)
     outer = sync.init(params)
     plain = sync.send(params_R, outer, 1, jax.random.PRNGKey(0), jnp.ones(2))
-    ef = eager_sync.send(sync, params_R, outer.replace(extra=eager_sync.init(sync, params, 2, error_feedback=True)),
-                         1, jax.random.PRNGKey(0), jnp.ones(2))
+    rule = rules.ErrorFeedback(rules.Plain())
+    _, ef = _send(rule, sync, params_R, outer.replace(extra=rules.init(rule, sync, params, 2)), 1, jax.random.PRNGKey(0))
     assert np.array_equal(np.asarray(plain.pending[1]), np.asarray(ef.pending[1]))
     assert all(not np.any(np.asarray(r)) for r in ef.extra.residual)
 
@@ -196,13 +206,14 @@ def test_feedback_send_lossy_keeps_what_the_codec_dropped():
     import jax
     import jax.numpy as jnp
 
-    from diloco.outer import codecs, eager_sync
+    from diloco.outer import codecs, rules
 
     params, sync = _toy_sync(1, codec="e3m0")
     params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x - 0.37, x + 0.11]), params)
-    outer = sync.init(params).replace(extra=eager_sync.init(sync, params, 2, error_feedback=True))
+    rule = rules.ErrorFeedback(rules.Plain())
+    outer = sync.init(params).replace(extra=rules.init(rule, sync, params, 2))
     delta = sync.delta(params_R, outer, 0)
-    outer = eager_sync.send(sync, params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2))
+    _, outer = _send(rule, sync, params_R, outer, 0, jax.random.PRNGKey(0))
     dec = jax.vmap(lambda x: codecs.roundtrip(sync.codec, x))(delta)
     np.testing.assert_array_equal(np.asarray(outer.extra.residual[0]), np.asarray(delta - dec))
     assert float(jnp.abs(outer.extra.residual[0]).max()) > 0

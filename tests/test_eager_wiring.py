@@ -188,3 +188,14 @@ def test_sigkill_with_a_residual_and_eager_buffers_in_the_checkpoint_resumes_bit
     rows = lambda d: [{k: v for k, v in json.loads(l).items() if k not in ("seconds", "tokens_per_s")}
                       for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()]
     assert rows(cut) == rows(tmp_path / "whole")
+
+
+def test_eager_in_step_is_accepted_at_tau_0_and_error_feedback_alone_is_not():
+    """Eager reads a round's average D rounds later, so in_step carries it at τ = 0; error feedback alone
+    applies it τ steps after the send, so in_step needs τ ≥ 1 (one line naming `exchange`)."""
+    base = ["--config.method=streaming", "--config.tau=0", "--config.exchange=in_step"]
+    cfg = load_config("experiments/toy.py:streaming", base + ["--config.eager=swap"])
+    assert cfg.exchange == "in_step"
+    with pytest.raises(ConfigError) as e:
+        load_config("experiments/toy.py:streaming", base + ["--config.error_feedback=true"])
+    assert e.value.field == "exchange" and "tau ≥ 1" in str(e.value)

@@ -62,13 +62,11 @@ def test_nothing_compiles_after_the_first_step(tmp_path):
     assert lazy["before"] == [] and len(set(lazy["after"])) >= 7 and set(lazy["after"]) <= set(pre["before"])
 
 
-def test_an_eager_run_compiles_every_fragments_own_send_before_the_first_step(tmp_path):
-    """Eager updates (swap) under nn.scan: each fragment has its own send programs (EagerDriver's
-    eager round, per fragment, not per layout), so all three fragments' step+eager round (in_step) and
-    eager round (the settle at a checkpoint) are compiled before step 1 and none after (a listing per
-    layout would leave fragment 2's to compile during the run)."""
-    got = fragment_compiles(tmp_path, precompile=True, overrides={"eager": "swap", "tau": 0},
-                            programs=r"^jit\((step_eager_round|eager_round|update|merge)_fragments?_")
+def test_an_eager_run_compiles_one_program_per_layout_before_the_first_step(tmp_path):
+    """Eager updates (swap) under nn.scan, 3 fragments in layouts {0} and {1, 2}: like a plain run, one
+    step+send (in_step) and one send (the settle at a checkpoint) per layout, compiled before step 1 and
+    none after; no update or merge (the rule does its round in its send). Was one per fragment (6)."""
+    got = fragment_compiles(tmp_path, precompile=True, overrides={"eager": "swap", "tau": 0})
     assert got["after"] == []
     assert sorted(set(got["before"])) == sorted(
-        f"jit({k}_fragment_{p})" for k in ("step_eager_round", "eager_round") for p in range(3))
+        f"jit({k}_{g})" for k in ("step_send", "send") for g in ("fragment_0", "fragments_1_2"))

@@ -437,13 +437,16 @@ def run(tr, checks, now, settle_at=()):
     st = tr.placement.settle(st)
     assert tr.placement.in_flight() == []
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(st)], list(checks)
-failures = {"blocking": [], "in_step": [], "comm_device": []}
-for kw in kws:
+failures = {}
+for rule, kw in kws:
     checks, now = [], [0]
     blocking = trainer(kw, "blocking", checks, now)
     ref, ref_checks = run(blocking, checks, now)
     assert len(ref_checks) >= 4 and all(t == ts for t, p, ts in ref_checks)  # blocking: checked at the send
-    for placement in failures:
+    ex = blocking.fresh_state().outer.extra
+    assert (ex is not None and ex.residual is not None) == rule.endswith("+ef"), rule
+    for placement in ("blocking", "in_step", "comm_device"):
+        failures.setdefault(f"{rule} {placement}", [])
         try:  # one trainer per placement runs every schedule (programs compiled once, rerun from a fresh state)
             tr = blocking if placement == "blocking" else trainer(kw, placement, checks, now)
             for settle_at in ((4, 5, 9),) if placement == "blocking" else ((), (4, 5, 9)):
@@ -460,18 +463,26 @@ for kw in kws:
                 if placement == "comm_device":
                     assert "send" not in kinds and (all(t > ts for t, p, ts in got_checks) or settle_at)
         except Exception:
-            failures[placement].append(f"{kw}: {traceback.format_exc()}")
+            failures[f"{rule} {placement}"].append(f"{kw}: {traceback.format_exc()}")
 print("RESULT " + json.dumps(failures), flush=True)
 """
 
 
+# every send rule (diloco/outer/rules.py): plain (three schedules), eager × 3, each with and without error feedback
+EAGER = dict(layers_per_fragment=1, tau=0, alpha=0.5, codec="e3m0")
+RULES = [("plain", dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0")),
+         ("plain", dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none")),  # τ > H/P: two fragments in flight
+         ("plain", dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="bf16", pattern="sequential")),
+         ("plain+ef", dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="int2", error_feedback=True)),
+         *[(f"{mode}{ef}", dict(EAGER, eager=mode, error_feedback=bool(ef), eager_rounds=2 if mode == "mix" else 1))
+           for mode in ("naive", "swap", "mix") for ef in ("", "+ef")]]
+
+
 @pytest.fixture(scope="module")
 def placement_failures():
-    """One subprocess with 4 fake CPU devices runs the blocking reference of each schedule once and every
-    placement against it; {placement: [failures]}."""
-    kws = [dict(layers_per_fragment=1, tau=1, alpha=0.5, codec="e3m0"),
-           dict(layers_per_fragment=1, tau=2, alpha=0.0, codec="none"),      # τ > H/P: two fragments in flight
-           dict(layers_per_fragment=1, tau=0, replica_tau="1,3", alpha=0.5, codec="bf16", pattern="sequential")]
+    """One subprocess with 4 fake CPU devices runs the blocking reference of each rule and schedule once and
+    every placement against it; {"rule placement": [failures]}."""
+    kws = RULES
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
     r = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT, json.dumps(kws)], capture_output=True,
                        text=True, cwd=REPO, env=env)
@@ -480,14 +491,17 @@ def placement_failures():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.parametrize("rule", sorted({r for r, _ in RULES}))
 @pytest.mark.parametrize("placement", ["blocking", "in_step", "comm_device"])
-def test_every_exchange_placement_gives_the_blocking_numbers(placement, placement_failures):
-    """Every placement of diloco/outer/placement.py (the optax pattern: one test over every
-    implementation) ends bit-identical to the blocking send, also when checkpoints settle it early
-    (nothing in flight after settle); the pending check runs once per send, in the send order, when
-    the average has landed: blocking at the send, in_step on the next step, comm_device later (at the
-    apply). 4 fake CPU devices: 2 compute (replicas on `replica`), 2 comm devices."""
-    assert placement_failures[placement] == [], "\n".join(placement_failures[placement])
+def test_every_rule_under_every_placement_gives_the_blocking_numbers(rule, placement, placement_failures):
+    """Every send rule of diloco/outer/rules.py under every placement of diloco/outer/placement.py (the
+    optax pattern: one test over every implementation) ends bit-identical to the blocking send, also when
+    checkpoints settle it early (nothing in flight after settle); the pending check runs once per send,
+    in the send order, when the average has landed: blocking at the send, in_step on the next step,
+    comm_device later (at the apply, or before the fragment's next round). 4 fake CPU devices: 2
+    compute (replicas on `replica`), 2 comm devices."""
+    got = placement_failures[f"{rule} {placement}"]
+    assert got == [], "\n".join(got)
 
 
 def test_comm_devices_the_mesh_cannot_use_fall_back_to_the_plans_placement(capsys):

@@ -1,18 +1,20 @@
-"""The only code that turns the schedule into sends, outer updates and merges.
+"""The only code that turns the schedule into sends, outer updates and merges, for every rule.
 
 After inner step t the loop calls `OuterDriver.after_step(state, t)`; in this order:
-  sends(t)          Δ → encode → exchange → FP32 average, into the pending slot of fragment p,
-                    through the placement (`self.placement.send`: now, on step t+1's program, or
-                    on the comm devices; diloco/outer/placement.py)
-  outer_updates(t)  the placement lands fragment p's average, then the Nesterov step of θᵍ_p with it
+  sends(t)          the rule's send of fragment p (diloco/outer/rules.py: local → exchange → land, the
+                    average into fragment p's pending slot), placed by `self.placement` (now, on step
+                    t+1's program, or local here and the exchange on the comm devices;
+                    diloco/outer/placement.py). A rule that does its round in its send (eager) lands
+                    fragment p's previous average first.
+  outer_updates(t)  the placement lands fragment p's average, then the outer-optimizer step of θᵍ_p
   merges(t)         θ_m,p ← α·θ_m,p + (1−α)·θᵍ_p on the replicas whose τ_m has elapsed
 
-With the in-step placement the whole exchange rides on the first step after the send (the schedule
-never sends two fragments at one step, P ≤ H), so the inner-step programs are the plain step plus one
-per fragment layout, with one update and one merge program per layout, none recompiled as t advances.
+Every program is per fragment layout (`Fragments.groups`), for every rule: the inner-step programs are
+the plain step plus one step+send per layout, with one send / local / land / update / merge per layout,
+none recompiled as t advances.
 
-The math is `OuterSync`'s (diloco/outer/sync.py); this module only schedules it, its placement places
-it. `state` is the trainer's TrainState (fields `params`, `outer`, …; `replace` makes a new one).
+The math is `OuterSync`'s (diloco/outer/sync.py) and the rule's; this module only schedules it, its
+placement places it. `state` is the trainer's TrainState (fields `params`, `outer`, …).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from diloco.distributed import aligned_jit
 from diloco.faults import NumericalFault
+from diloco.outer import rules
 from diloco.outer.placement import PLACEMENTS, Check
 from diloco.outer.schedule import Schedule
 from diloco.outer.sync import OuterSync
@@ -33,11 +36,13 @@ class OuterDriver:
     def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, placement: str = "blocking",
                  overlap=None, constrain: Callable[[Any], Any] | None = None,
                  pin_flat: Callable[[Any], Any] | None = None, inner_step: Callable | None = None,
-                 check: Check | None = None):
+                 check: Check | None = None, rule=None):
         """`placement`: where each send's exchange runs (diloco/outer/placement.py; `comm_device` takes
         the `overlap` exchange); `inner_step(active, jitted=True)`: the trainer's inner step; `check`:
-        the pending check, called once per send when its average has landed."""
-        if placement == "in_step" and schedule.tau_min < 1:
+        the pending check, called once per send when its average has landed; `rule`: what a send does
+        (diloco/outer/rules.py; Plain when None)."""
+        self.rule = rule if rule is not None else rules.Plain()
+        if placement == "in_step" and schedule.tau_min < 1 and not self.rule.round_in_send:
             raise ValueError("the in_step placement needs tau ≥ 1 (the average lands on the next step)")
         self.sync, self.schedule, self.R = sync, schedule, R
         self.constrain = constrain or (lambda state: state)  # pins each program's output to the state's layout
@@ -68,17 +73,25 @@ class OuterDriver:
         """(name, program, its arguments by name, fragment) of every fragment program a run executes,
         one per fragment layout (named by its fragments: `send 0`, `merge 1-7`): `step+send` (in_step:
         the send after step t rides on step t+1's program; `step` is the trainer's un-jitted inner
-        step), `send` (blocking; with in_step the deferred send a settle runs), `update`, `merge`, and
-        when a fragment can be in flight at an evaluation (τ > 0) the undonated update/merge copies
-        `drained` runs. Argument names: state, batch, key, contrib, mask (compile/aot.run_programs
-        gives them values, abstract or real)."""
+        step), `send` (blocking; with in_step the deferred send a settle runs), `local` and (a rule with
+        buffers) `land` (comm_device), `update`, `merge`, and when a fragment can be in flight at an
+        evaluation (τ > 0) the undonated update/merge copies `drained` runs; a rule that does its round
+        in its send has no update or merge. Argument names: state, batch, key, contrib, mask, pending
+        (compile/aot.run_programs gives them values, abstract or real)."""
         out, taus = [], self.schedule.taus
         for group in self.sync.frags.groups():
             p, g = group[0], group_name(group)
             if self.exchange == "in_step":
                 out.append((f"step+send {g}", self.step_program(step, p), ("state", "batch", "key", "contrib"), p))
-            out += [(f"send {g}", self.program("send", p), ("state", "key", "contrib"), p),
-                    (f"update {g}", self.program("update", p), ("state",), p),
+            if self.exchange == "comm_device":
+                out.append((f"local {g}", self.program("local", p), ("state", "key", "contrib"), p))
+                if not self.rule.stateless:
+                    out.append((f"land {g}", self.program("land", p), ("state", "pending"), p))
+            else:
+                out.append((f"send {g}", self.program("send", p), ("state", "key", "contrib"), p))
+            if self.rule.round_in_send:
+                continue
+            out += [(f"update {g}", self.program("update", p), ("state",), p),
                     (f"merge {g}", self.program("merge", p), ("state", "mask"), p)]
             if min(taus) > 0:
                 out.append((f"update {g} (drained copy)", self.program("update", p, donate=False), ("state",), p))
@@ -106,13 +119,20 @@ class OuterDriver:
             sync, rep = self.sync, p  # traced for the first fragment asked for; the others pass their starts
             group = next(g for g in sync.frags.groups() if p in g)
             shared = len(group) > 1  # a fragment alone in its layout keeps static rows (no dynamic slices)
-            if kind == "send":  # → the averaged Δ (n_p,), written over p's donated pending slot
-                def f(state0, pending_n, starts, key, contrib_R):
-                    del pending_n  # donated: its buffer holds the result (the slot's old value is spent)
+            rule, pin = self.rule, self.pin_flat
+            if kind in ("send", "local", "land"):  # fragment p's view (rules.view); its pending slot donated
+                def f(state0, pending_n, starts, *rest):
                     starts = starts if shared else None
-                    return self.pin_flat(sync.average(sync.delta(state0.params, state0.outer, rep, starts), key,
-                                                      contrib_R))
-                donate_argnums = (1,) if donate else ()
+                    st = state0.replace(outer=state0.outer.replace(pending=(pending_n,)))
+                    if kind == "land":
+                        return self.constrain(st.replace(outer=rule.land(st.outer, *rest)))
+                    if kind == "local":
+                        params_R, v, target = rule.local(sync, st.params, st.outer, rep, *rest, starts)
+                        return target if rule.stateless else (self.constrain(st.replace(params=params_R, outer=v)),
+                                                              target)
+                    params_R, v = rules.send(rule, sync, st.params, st.outer, rep, *rest, starts, pin)
+                    return v.pending[0] if rule.stateless else self.constrain(st.replace(params=params_R, outer=v))
+                donate_argnums = () if not donate else (0, 1) if not rule.stateless else (1,) if kind == "send" else ()
             elif kind == "update":  # the state without pending, fragment p's optax state as its only opt
                 def f(state1, pending_n, starts):
                     starts = starts if shared else None
@@ -129,7 +149,7 @@ class OuterDriver:
                 raise ValueError(f"unknown outer operation {kind!r}")
             f.__name__ = program_name(kind, group)  # what JAX's compile logs and events name it
             self._jit[k] = aligned_jit(f, f"{kind}-{group_name(group)}", donate_argnums=donate_argnums)
-        return FragmentProgram(kind, p, self._jit[k], self.sync)
+        return FragmentProgram(kind, p, self._jit[k], self.sync, self.rule.stateless)
 
     def step_program(self, step: Callable, p: int, variant: Any = None) -> "FragmentProgram":
         """Inner step + fragment p's exchange in one program: (state, tokens, key, contrib_R, *poison)
@@ -141,22 +161,24 @@ class OuterDriver:
             group = next(g for g in self.sync.frags.groups() if p in g)
             shared = len(group) > 1  # alone in its layout: static rows
 
+            rule = self.rule
+
             def f(state, pending_n, tokens, starts, key, contrib_R, *poison):
-                del pending_n  # donated: the averaged Δ is written over p's old pending slot
                 starts = starts if shared else None
-                delta_Rxn = sync.delta(state.params, state.outer, rep, starts)  # Δ from the step's input
-                # The barrier makes Δ a value the step cannot reach into: without it XLA fused Δ's
+                params_R, v, target = rule.local(sync, state.params, state.outer.replace(pending=(pending_n,)),
+                                                 rep, key, contrib_R, starts)  # from the step's input
+                # The barrier makes the payload a value the step cannot reach into: without it XLA fused Δ's
                 # reads of the parameters with the forward pass's (a multi-output fusion with the
                 # last matmul), so the exchange waited for the whole forward/backward (seen on TPU
                 # with nn.scan). Identity on values: the numbers do not change.
-                delta_Rxn, state = jax.lax.optimization_barrier((delta_Rxn, state))
-                avg_n = self.pin_flat(sync.average(delta_Rxn, key, contrib_R))
+                target, state = jax.lax.optimization_barrier((target, state.replace(params=params_R, outer=v)))
+                avg_n = self.pin_flat(sync.average(target, key, contrib_R))
                 new, ce_R, fin_R = step(state, tokens, *poison)
-                return self.constrain(new), avg_n, ce_R, fin_R
+                return self.constrain(new.replace(outer=rule.land(new.outer, avg_n))), ce_R, fin_R
 
             f.__name__ = program_name("step+send", group)
             self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0, 1))
-        return FragmentProgram("step+send", p, self._jit[k], self.sync)
+        return FragmentProgram("step+send", p, self._jit[k], self.sync, self.rule.stateless)
 
     def key(self, t: int, p: int):
         return jax.random.fold_in(jax.random.fold_in(self.base_key, t), p)
@@ -170,8 +192,12 @@ class OuterDriver:
         finite_R = replica_finite(state.params) if sends and self.check else None  # culprit, pre-merge
         for p in sends:
             c = np.ones(self.R, np.float32) if contrib is None else np.asarray(contrib(t, p), np.float32)
+            if self.rule.round_in_send:  # the previous round's average in the buffers before this round reads them
+                state = self.placement.land(state, p, t)
             state = self.placement.send(state, p, t, self.key(t, p), jnp.asarray(c), finite_R)
             sent.append((p, int(self.bytes_per_replica(p) * (c > 0).sum())))
+        if self.rule.round_in_send:
+            return state, sent
         for p in self.schedule.outer_updates(t):
             state = self.placement.land(state, p, t)
             state = self.program("update", p)(state)
@@ -199,41 +225,47 @@ class FragmentProgram:
     with the whole state, it passes p's row starts and p's own slots of the outer state to the shared
     jitted program and writes its results back into p's slots. Only tuples are rearranged here."""
 
-    def __init__(self, kind: str, p: int, jitted, sync: OuterSync):
-        self.kind, self.p, self.jitted, self.sync = kind, p, jitted, sync
+    def __init__(self, kind: str, p: int, jitted, sync: OuterSync, stateless: bool = True):
+        self.kind, self.p, self.jitted, self.sync, self.stateless = kind, p, jitted, sync, stateless
         self.starts = np.asarray(sync.frags.starts(p))
 
     def args(self, state, *rest) -> tuple:
-        """The shared program's arguments for fragment p. Every kind but merge takes the state without
-        its pending slots plus p's slot alone: `update` reads it, `send` / `step+send` receive it donated
-        and write the new average over it (no second (n_p,) buffer beside the old one), and the other
-        fragments' slots never enter the program."""
-        outer = state.outer
-        bare = state.replace(outer=outer.replace(pending=()))
-        pending_n = outer.pending[self.p]
+        """The shared program's arguments for fragment p. Every kind but update and merge takes the state
+        with fragment p's slots of the outer state (rules.view) less its pending slot, plus that slot
+        alone, donated where the program writes a new one over it (no second (n_p,) buffer beside the
+        old one); `update` reads p's pending slot and optax state; `merge` takes the whole state."""
+        outer, p = state.outer, self.p
+        pending_n = outer.pending[p]
         if self.kind == "update":  # p's optax state as the only opt
-            return bare.replace(outer=bare.outer.replace(opt=(outer.opt[self.p],))), pending_n, self.starts
+            bare = state.replace(outer=outer.replace(pending=()))
+            return bare.replace(outer=bare.outer.replace(opt=(outer.opt[p],))), pending_n, self.starts
+        if self.kind == "merge":
+            return (state, self.starts, *rest)
+        v = state.replace(outer=rules.view(outer, p).replace(pending=()))
         if self.kind == "step+send":
             tokens, *rest = rest
-            return (bare, pending_n, tokens, self.starts, *rest)
-        if self.kind == "send":
-            return (bare, pending_n, self.starts, *rest)
-        return (state, self.starts, *rest)
+            return (v, pending_n, tokens, self.starts, *rest)
+        return (v, pending_n, self.starts, *rest)
 
     def __call__(self, state, *rest):
         out = self.jitted(*self.args(state, *rest))
-        p = self.p
-        if self.kind == "send":
-            return state.replace(outer=self.sync.with_pending(state.outer, p, out))
+        p, outer = self.p, state.outer
         if self.kind == "update":
-            outer = state.outer
             return out.replace(outer=out.outer.replace(opt=outer.opt[:p] + out.outer.opt + outer.opt[p + 1:],
                                                        pending=outer.pending))
+        if self.kind == "merge":
+            return out
+        if self.kind == "send" and self.stateless:  # the average alone
+            return state.replace(outer=self.sync.with_pending(outer, p, out))
+        if self.kind == "local":  # (state, payload); a rule without buffers: the payload alone
+            return (state, out) if self.stateless else (self.merged(state, out[0]), out[1])
         if self.kind == "step+send":
-            new, avg_n, ce_R, fin_R = out
-            outer = new.outer.replace(pending=state.outer.pending)  # the slots the program did not see
-            return new.replace(outer=self.sync.with_pending(outer, p, avg_n)), ce_R, fin_R
-        return out
+            return (self.merged(state, out[0]), *out[1:])
+        return self.merged(state, out)
+
+    def merged(self, state, new):
+        """`new` (a program's output on fragment p's view) written back into the whole state."""
+        return new.replace(outer=rules.put(state.outer, self.p, new.outer))
 
     def lower(self, state, *rest):
         return self.jitted.lower(*self.args(state, *rest))

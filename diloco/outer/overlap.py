@@ -80,8 +80,8 @@ class OverlappedExchange:
 
     # -- send --------------------------------------------------------------------------------------
     def _prep_fn(self, p: int, given: bool = False):
-        """(Δ, keys, weights) on the replica rows; `given`: Δ is passed in (what the eager driver's local
-        half says to encode, diloco/outer/eager_driver.py) instead of OuterSync.delta of the state."""
+        """(Δ, keys, weights) on the replica rows; `given`: Δ is passed in (what the rule's local
+        program says to encode, diloco/outer/rules.py) instead of OuterSync.delta of the state."""
         if (p, given) not in self._prep:
             jax, sync = self.jax, self.sync
 

@@ -19,15 +19,16 @@ The loop (diloco/train.py) and the driver (diloco/outer/driver.py) call, for inn
                 that program's input, the state after step t, behind an optimization barrier), so XLA's
                 latency-hiding scheduler can put the step's compute under the collective (TPU/GPU).
                 Needs τ ≥ 1. settle: a parked send runs as the blocking program (same numbers)
-  comm_device   send: dispatched on a second device per process (diloco/outer/overlap.py), returns at
-                once; land: waits for it at the apply (CPU multi-process runs, `--comm_device`)
+  comm_device   send: the rule's local program here, its payload's exchange dispatched on a second
+                device per process (diloco/outer/overlap.py), returns at once; land: waits for it at the
+                apply (CPU multi-process runs, `--comm_device`)
 
 The pending check (`check(state, p, t_send, finite_R)`, the loop's NumericalFault on a non-finite
 average) is given once, at construction, and called once per send, when its average has landed.
-A new placement is a subclass with its own `send`/`step`/`land`/`settle` and a row in PLACEMENTS.
-Eager updates and error feedback (diloco/outer/eager_driver.py) use the same three: their driver's
-`program("send")` and `step_program` are its own sends, and comm_device is EagerCommDevice (the send's
-local half on the compute devices, its exchange on the comm devices).
+A new placement is a subclass with its own `send`/`step`/`land`/`settle` and a row in PLACEMENTS. Every
+rule (diloco/outer/rules.py) runs under every placement: the driver's `send` and `step+send` programs are
+the rule's local + exchange + land, and comm_device runs the rule's `local` program on the compute devices,
+the exchange on the comm devices and the rule's `land` when it has arrived.
 """
 from __future__ import annotations
 
@@ -119,14 +120,18 @@ class CommDevice(Blocking):
         self.overlap = overlap
 
     def send(self, state, p: int, t: int, key, contrib_R, finite_R=None):
-        self.overlap.send(state, p, key, contrib_R, t, finite_R)
+        state, payload = self.driver.program("local", p)(state, key, contrib_R)
+        self.overlap.send(state, p, key, contrib_R, t, finite_R, delta=payload)
         return state
 
     def land(self, state, p: int, t: int | None = None):
         avg, rec = self.overlap.land(p, t)
         if rec is None:  # nothing in flight (a resumed run's checkpoint holds it in pending)
             return state
-        state = state.replace(outer=self.driver.sync.with_pending(state.outer, p, avg))
+        if self.driver.rule.stateless:  # into the pending slot, no program
+            state = state.replace(outer=self.driver.sync.with_pending(state.outer, p, avg))
+        else:
+            state = self.driver.program("land", p)(state, avg)
         self.checked(state, p, rec.step, rec.finite_R)
         return state
 
@@ -136,7 +141,8 @@ class CommDevice(Blocking):
         return state
 
     def in_flight(self) -> list[int]:
-        return sorted(self.overlap.inflight)
+        """In send order: settle lands and checks them in the order they were sent."""
+        return sorted(self.overlap.inflight, key=lambda p: self.overlap.inflight[p].step)
 
 
 PLACEMENTS = {c.name: c for c in (Blocking, InStep, CommDevice)}

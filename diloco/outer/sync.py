@@ -13,9 +13,9 @@ on every replica by construction, and sharded over the chips of a replica (the T
 With a mesh whose replica rows have several chips (data × fsdp), each chip encodes and exchanges only
 its own slice of a fragment when the slices are whole codec blocks (`OuterSync.shards`).
 
-Δ is computed in one place (`OuterSync.delta`) and the averaged Δ is written into the pending
-buffer in one place (`OuterSync.with_pending`); the blocking send and the overlapped exchange
-(diloco/outer/overlap.py) both go through them. diloco/outer/driver.py turns the schedule into calls.
+Plain sends compute Δ with `OuterSync.delta`; what a send encodes and where its average lands is its
+rule's (diloco/outer/rules.py: eager swap/mix make Δ from each replica's own θᵍ_m). Every placement
+exchanges with `OuterSync.average`. diloco/outer/driver.py turns the schedule into calls.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class OuterState:
     params: Any                  # θᵍ: the model's parameter tree, no replica axis
     opt: tuple                   # one outer-optimizer (optax) state per fragment, over its flat fp32 vector
     pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
-    extra: Any = None            # eager updates / error feedback buffers (eager_sync.Extra); None when off
+    extra: Any = None            # the send rule's buffers (diloco/outer/rules.py Extra); None for plain sends
 
 
 # The outer optimizer by name (config `outer.name`): the optax constructor, given outer.lr, outer.momentum
@@ -98,15 +98,12 @@ class OuterSync:
         return outer.replace(pending=outer.pending[:p] + (avg_n,) + outer.pending[p + 1:])
 
     def send(self, params_R, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
-        """Average the encoded outer gradients of fragment p over the replicas with contrib > 0."""
-        return self.send_delta(self.delta(params_R, outer, p), outer, p, key, contrib_R)
-
-    def send_delta(self, delta_Rxn, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
-        """`send` from Δ already computed (`delta`)."""
-        return self.with_pending(outer, p, self.average(delta_Rxn, key, contrib_R))
+        """Average the encoded outer gradients of fragment p over the replicas with contrib > 0 (Plain's
+        send on the whole outer state, for tests and netbench; runs go through diloco/outer/rules.py)."""
+        return self.with_pending(outer, p, self.average(self.delta(params_R, outer, p), key, contrib_R))
 
     def average(self, delta_Rxn, key: jax.Array, contrib_R: jax.Array) -> jax.Array:
-        """The exchanged FP32 average (n_p,) of the replicas' Δ (`send_delta` without the pending write)."""
+        """The exchanged FP32 average (n_p,) of the replicas' Δ (or of any (R, n_p) payload)."""
         keys_R = jax.random.split(key, delta_Rxn.shape[0])
         return self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32))
 
