@@ -168,6 +168,20 @@ def test_outer_names_refused_in_one_line():
         assert e.value.field == "outer.name"
 
 
+def test_in_step_fails_loudly_when_a_parked_send_was_never_carried():
+    """Trainer.inner_step instead of placement.step: the send parked after step 4 never runs, so the next
+    send or apply raises instead of applying the previous Δ."""
+    from diloco.outer.placement import InStep
+
+    pl = InStep(driver=None)
+    pl.send("state", 1, 4, None, None)
+    assert pl.land("state", 0, 4) == "state"  # another fragment's apply at the send's own step
+    for call, msg in ((lambda: pl.land("state", 0, 5), "placement.step"), (lambda: pl.land("state", 1, 4), "still parked"),
+                      (lambda: pl.send("state", 2, 5, None, None), "never exchanged")):
+        with pytest.raises(RuntimeError, match=msg):
+            call()
+
+
 @pytest.mark.parametrize("pattern,expected", [
     ("sequential", [["block_0", "block_1", "block_2", "embed", "final_norm"], ["block_3", "block_4", "block_5"]]),
     ("strided", [["block_0", "block_2", "block_4", "embed", "final_norm"], ["block_1", "block_3", "block_5"]]),

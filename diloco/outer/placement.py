@@ -88,8 +88,25 @@ class InStep(Blocking):
         self.parked: Parked | None = None
 
     def send(self, state, p: int, t: int, key, contrib_R, finite_R=None):
+        self.unrun(t + 1, "another send")
         self.parked = Parked(p, t, key, contrib_R, finite_R)  # exchanged by step t+1's program
         return state
+
+    def land(self, state, p: int, t: int | None = None):
+        if t is not None:
+            self.unrun(t, f"fragment {p}'s apply")
+        if self.parked is not None and self.parked.p == p:
+            raise RuntimeError(f"fragment {p}'s send after step {self.parked.t} is still parked at its apply: "
+                               "its exchange rides on the next inner step (placement.step), run before the apply")
+        return state
+
+    def unrun(self, t: int, what: str) -> None:
+        """Fail loudly when a send parked before step t was never carried by a step: the inner step ran
+        without the placement (Trainer.inner_step instead of placement.step), so its average never landed."""
+        if self.parked is not None and self.parked.t < t:
+            raise RuntimeError(f"{what} at step {t}: fragment {self.parked.p}'s send after step {self.parked.t} was "
+                               "never exchanged; with exchange=in_step drive the inner step with placement.step, "
+                               "which carries it (Trainer.inner_step does not)")
 
     def step(self, state, tokens, active: int | None = None, poison: tuple = ()):
         d, self.parked = self.parked, None
