@@ -22,7 +22,7 @@ package's interface (`from diloco.compile import …`, `diloco.compile.main`).
 """
 
 from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, INSTALL_HINT, compile_one, compile_trainer, eval_batch_sharding,
-                                eval_param_sharding, model_flops_per_step, per_chip_bytes, report, run_programs, text_report,
+                                eval_param_sharding, model_flops_per_step, per_chip_bytes, report, text_report,
                                 tpu_devices, trainer_programs)
 from diloco.compile.cli import main
 from diloco.compile.hlo import (annotate_overlap, computation_flops, entry_flops, hlo_computations, instruction_runs,
@@ -39,7 +39,7 @@ __all__ = [
     # aot
     "CHIP_HBM_BYTES", "GiB", "INSTALL_HINT", "compile_one", "compile_trainer", "eval_batch_sharding",
     "eval_param_sharding", "model_flops_per_step", "per_chip_bytes", "report", "text_report", "tpu_devices",
-    "run_programs", "trainer_programs",
+    "trainer_programs",
     # cli
     "main",
     # hlo

@@ -13,6 +13,7 @@ from diloco.compile.hlo import annotate_overlap, entry_flops, parse_collectives
 from diloco.compile.overlap import overlap_report
 from diloco.errors import ConfigError
 from diloco.outer.driver import group_name
+from diloco.precompile import compile_parallel, compile_workers, programs
 
 GiB = 1 << 30
 # HBM per chip (Cloud TPU system architecture pages): v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB.
@@ -89,27 +90,8 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
             "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
-def run_programs(tr, state, batch, key, contrib, mask, eval_args=None, inner=None) -> list[tuple]:
-    """Every program a run of `tr` executes, as (name, program, arguments of its first call), in the
-    order they are compiled: `inner`, the outer driver's fragment programs (`OuterDriver.run_programs`:
-    per fragment layout step+send / send / update / merge and the drained evaluation's undonated
-    copies; `EagerDriver.run_programs`: its own send of each fragment), then `eval`. The one
-    enumeration behind `diloco compile` (abstract arguments, `trainer_programs`) and the run's own
-    compile before step 1 (its real arguments, diloco/precompile.py). A fragment program has
-    `.jitted`, `.args(state, …)` and `.lower(state, …)`."""
-    todo = [("inner", tr.inner_step() if inner is None else inner, (state, batch))]
-    if tr.driver is not None:
-        values = {"state": state, "batch": batch, "key": key, "contrib": contrib, "mask": mask}
-        for name, prog, names, p in tr.driver.run_programs(tr.inner_step(jitted=False)):
-            # `pending`: an (n_p,) f32 shaped and placed like fragment p's pending slot (an exchanged average)
-            todo.append((name, prog, tuple(state.outer.pending[p] if n == "pending" else values[n] for n in names)))
-    if eval_args is not None:
-        todo.append(("eval", tr.eval_fn(), eval_args))
-    return todo
-
-
 def trainer_programs(tr) -> list[tuple]:
-    """`run_programs` with abstract arguments (ShapeDtypeStructs in the run's shardings): what
+    """`diloco.precompile.programs` with abstract arguments (ShapeDtypeStructs in the run's shardings): what
     `diloco compile` and the memory table compile. Nothing is allocated."""
     import jax
     import jax.numpy as jnp
@@ -127,7 +109,7 @@ def trainer_programs(tr) -> list[tuple]:
         lambda path, x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=eval_param_sharding(tr, x, path)),
         state.params)
     ebatch = jax.ShapeDtypeStruct((cfg.batch_size // tr.R * tr.R, L), jnp.int32, sharding=eval_batch_sharding(tr))
-    return run_programs(tr, state, batch, key, contrib, mask, (eparams, ebatch),
+    return programs(tr, state, batch, key, contrib, mask, (eparams, ebatch),
                         inner=jax.jit(tr.inner_step(jitted=False), donate_argnums=(0,)))
 
 
@@ -158,34 +140,6 @@ def compile_trainer(cfg, devices, only: set[str] | None = None, hlo_dir: str | N
             "compile": {"programs": len(out), "seconds_total": sum(r["compile_seconds"] for r in out),
                         "seconds_wall": wall, "workers": compile_workers(workers, len(out)),
                         "cpus": os.cpu_count()}}
-
-
-def compile_workers(workers: int | None, n: int) -> int:
-    """Threads compiling at once: `workers`, else $DILOCO_COMPILE_WORKERS, else this machine's cores."""
-    w = workers or int(os.environ.get("DILOCO_COMPILE_WORKERS", "0") or 0) or os.cpu_count() or 1
-    return max(1, min(w, n))
-
-
-def compile_parallel(todo: list[tuple], compile_fn, workers: int | None = None, log=None) -> list:
-    """`compile_fn(name, lowered, ())` for every program of `todo` = [(name, jitted, args)], lowered here
-    in order, compiled on a thread pool (XLA compiles outside the GIL); results in `todo`'s order;
-    `log(done, total, seconds)` after each one finishes."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    if not todo:
-        return []
-    t0 = time.time()
-    # Tracing and lowering are Python (one at a time, in order: flax and JAX trace state stay on this
-    # thread); XLA's compiles, the long part, run side by side.
-    lowered = [(name, fn.lower(*args), ()) for name, fn, args in todo]
-    with ThreadPoolExecutor(compile_workers(workers, len(todo)), thread_name_prefix="diloco-compile") as pool:
-        futs = {pool.submit(compile_fn, *t): i for i, t in enumerate(lowered)}
-        out: list = [None] * len(todo)
-        for done, f in enumerate(as_completed(futs), 1):
-            out[futs[f]] = f.result()
-            if log:
-                log(done, len(todo), time.time() - t0)
-    return out
 
 
 def eval_batch_sharding(tr):
