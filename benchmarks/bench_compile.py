@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 
-SPM = "/work/shared/data/vocab/sentencepiece_cc_all.32000.100extra-sentencepiece.model"
 
 
 def paper_streaming_trainer(scale: str, topology: str):
@@ -38,7 +37,10 @@ def paper_streaming_trainer(scale: str, topology: str):
     from diloco.config import validate
     from diloco.trainer import Trainer
 
-    cfg = T.paper_config(scale, "Streaming", os.environ.get("DILOCO_SPM", SPM))
+    spm = os.environ.get("DILOCO_SPM")  # the T5 32k SentencePiece model: only its vocabulary size is used
+    if not spm:
+        sys.exit("bench_compile: set DILOCO_SPM to sentencepiece_cc_all.32000.100extra-sentencepiece.model")
+    cfg = T.paper_config(scale, "Streaming", spm)
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = cfg.replicas, 1, -1
     validate(cfg, check_data=False, num_devices=len(devices))

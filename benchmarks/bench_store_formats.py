@@ -4,9 +4,9 @@ Runs in its OWN virtual environment, not the project's (Grain and ArrayRecord ar
 installing them there could move shared dependencies). Stdlib + numpy + grain + array_record only; diloco is not
 imported: the flat store's parts are read with numpy.memmap the way diloco/data/store.py's Store does.
 
-    python3 -m venv /work/venv_grain && /work/venv_grain/bin/pip install grain array_record numpy
+    python3 -m venv .venv-grain && .venv-grain/bin/pip install grain array_record numpy
     diloco data tokenize --data stdlib --vocab byte --out /tmp/st_stdlib        # (project env) any store works
-    /work/venv_grain/bin/python benchmarks/bench_store_formats.py --store /tmp/st_stdlib [--steps 1000] [--seq_lens 2048,512]
+    .venv-grain/bin/python benchmarks/bench_store_formats.py --store /tmp/st_stdlib [--steps 1000] [--seq_lens 2048,512]
 
 For each seq_len it writes the store's train rows (row r = tokens[r*L:(r+1)*L] of the parts concatenated, the
 tail < L dropped, exactly the flat store's rows) to ArrayRecord, one record per row (the row's uint16/uint32

@@ -71,7 +71,7 @@ def compiled_with(flags: list[str] | None = None) -> str:
 
 
 def table_programs(tr) -> list[str]:
-    """The programs a row compiles: every distinct program a run of `tr` executes (`run_programs`:
+    """The programs a row compiles: every distinct program a run of `tr` executes (`diloco.precompile.programs`:
     one per fragment layout, so the embeddings' fragment and the fragments of blocks only)."""
     return [name for name, _, _ in trainer_programs(tr)]
 
@@ -258,7 +258,7 @@ def write_table(rows: list[dict], out_dir: str) -> None:
              "compiles with ≥10% headroom (smaller slices tried and failed are in the note). Compiled for the "
              "TPU topology with libtpu on a CPU host.", "",
              "**What is compiled** (column *compiled* = `run`): every program a run of the method executes "
-             "(`diloco.compile.aot.run_programs`, the list `diloco compile` compiles): DP `inner` and `eval`; "
+             "(`diloco.precompile.programs`, the list `diloco compile` compiles): DP `inner` and `eval`; "
              "DiLoCo `inner`, the whole-model `send 0`, `update 0`, `merge 0` and `eval`; Streaming (exchange "
              "in_step on TPU) `inner`, `step+send` (the step that carries the exchange), `send` (the deferred "
              "send a checkpoint settles), `update`, `merge` once per fragment layout (`0`: the fragment holding the "
@@ -330,14 +330,18 @@ def paper_table_main(argv: list[str]) -> int:
     ap.add_argument("--scales", default=",".join(PAPER_SCALES))
     ap.add_argument("--methods", default=",".join(PAPER_METHODS))
     ap.add_argument("--chips", default=",".join(SLICES))
-    ap.add_argument("--spm", default=os.environ.get("DILOCO_SPM", "/work/shared/data/vocab/"
-                                                    "sentencepiece_cc_all.32000.100extra-sentencepiece.model"),
-                    help="the T5 SentencePiece model (only its size is used)")
+    ap.add_argument("--spm", default=os.environ.get("DILOCO_SPM"),
+                    help="the T5 SentencePiece model sentencepiece_cc_all.32000.100extra-sentencepiece.model "
+                    "(only its size is used; default $DILOCO_SPM)")
     ap.add_argument("--cache", default=None, help="keep each compiled slice's result here, so a rerun skips it "
                     "(default $DILOCO_CACHE/paper_table; 'none': off)")
     ap.add_argument("--no-overlap-flags", action="store_true",
                     help="do not add the project's overlap flags to LIBTPU_INIT_ARGS (rows then say so)")
     args = ap.parse_args(argv)
+    if not args.spm:
+        print("diloco compile: --spm: no SentencePiece model given; pass --spm PATH to the T5 32k model "
+              "(sentencepiece_cc_all.32000.100extra-sentencepiece.model) or set DILOCO_SPM", file=sys.stderr)
+        return 2
     if not args.no_overlap_flags:
         use_tpu_overlap_flags()  # as `diloco train` does, before libtpu starts
     cache = args.cache
