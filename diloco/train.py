@@ -365,7 +365,6 @@ class Run:
 
     def summary(self) -> dict:
         from diloco.data import corpus_info
-        from diloco.outer.eager import eval_params_label
         from diloco.outer.sync import params_sha256
         from diloco.rundir import versions
 
@@ -389,7 +388,7 @@ class Run:
             "codec": cfg.codec if sync else None,
             "eager": cfg.eager if sync else None, "eager_rounds": cfg.eager_rounds if sync else None,
             "error_feedback": cfg.error_feedback if sync else None,
-            "eval_params": eval_params_label(cfg.eager) if sync else "the replica's parameters",
+            "eval_params": tr.driver.rule.eval_label if sync else "the replica's parameters",
             "fragment_sizes": list(sync.frags.sizes) if sync else None,
             "corpus": corpus_info(cfg.data, cfg.data_dir or None),
             "versions": versions(),

@@ -105,6 +105,11 @@ class Plain:
     def eval_params(self, sync, outer):
         return outer.params
 
+    @property
+    def eval_label(self) -> str:
+        """What a run evaluates (summary.json `eval_params`)."""
+        return eager.eval_params_label("off")
+
 
 class Eager(Plain):
     """[EU] eager updates: fragment p's round at its send (step θᵍ with the average of D rounds ago, merge);
@@ -165,6 +170,10 @@ class Eager(Plain):
             params = sync.frags.unflatten(params, p, eager.consensus(outer.extra.outer[p]))
         return params
 
+    @property
+    def eval_label(self) -> str:
+        return eager.eval_params_label(self.mode)
+
 
 class ErrorFeedback:
     """Wraps a rule: each replica encodes the rule's payload plus its residual, and keeps as its new residual
@@ -193,6 +202,10 @@ class ErrorFeedback:
 
     def eval_params(self, sync, outer):
         return self.rule.eval_params(sync, outer)
+
+    @property
+    def eval_label(self) -> str:
+        return self.rule.eval_label
 
 
 def make_rule(cfg):
