@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("diloco.sweep", "run every point of a sweep, resumably"),
     "tables": ("diloco.report", "tables and plots from run records, beside the paper's numbers"),
     "reproduce": ("diloco.reproduce", "the main job: toy reproduction of the paper into results/"),
-    "launch": ("diloco.distributed", "start one process per replica (jax.distributed) on this machine"),
+    "launch": ("diloco.launch", "start one process per replica (jax.distributed) on this machine"),
     "netbench": ("diloco.netbench", "measure achieved throughput between replica processes"),
     "compile": ("diloco.compile", "compile a run for a TPU topology here: per-chip memory, FLOPs, collectives"),
     "data": ("diloco.data.cli", "token stores: tokenize a corpus once (tokenize), its manifest (info), preflight (check)"),

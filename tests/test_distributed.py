@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from diloco import distributed as dist
+from diloco import distributed as dist, launch
 
 TINY = ["--config.scale=tiny", "--config.seq_len=32", "--config.batch_size=4", "--config.steps=8",
         "--config.H=4", "--config.layers_per_fragment=1", "--config.tau=1", "--config.log_every=2",
@@ -19,7 +19,7 @@ TINY = ["--config.scale=tiny", "--config.seq_len=32", "--config.batch_size=4", "
 
 
 def test_child_env_places_each_process():
-    env = dist.child_env(1, 2, "127.0.0.1:1234", "eth0", comm_device=True)
+    env = launch.child_env(1, 2, "127.0.0.1:1234", "eth0", comm_device=True)
     assert env[dist.ENV_COORD] == "127.0.0.1:1234" and env[dist.ENV_N] == "2" and env[dist.ENV_ID] == "1"
     assert env[dist.ENV_IFACE] == "eth0" and env[dist.ENV_COMM] == "1"
 
@@ -38,14 +38,14 @@ def test_one_failing_process_stops_the_others():
     ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     bad = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     try:
-        assert dist.wait_all([ok, bad]) == 3
+        assert launch.wait_all([ok, bad]) == 3
         assert ok.returncode == -signal.SIGTERM
     finally:
         ok.kill()
 
 
 def test_launch_without_separator_is_a_usage_error(capsys):
-    assert dist.main(["--processes", "2"]) == 2
+    assert launch.main(["--processes", "2"]) == 2
     assert "usage" in capsys.readouterr().err
 
 
@@ -104,7 +104,7 @@ def test_two_processes_match_one_process(tmp_path, method, comm):
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert s2["final_eval_loss"] == pytest.approx(s1["final_eval_loss"], rel=TWO_VS_ONE_REL, abs=0)
     assert s2["versions"]["devices"] == (4 if comm else 2)  # the job really spans two processes
-    from diloco.outer.overlap import overlap_report, read_timeline
+    from diloco.timeline import overlap_report, read_timeline
 
     for rank in (0, 1):
         rows = read_timeline(two / "timeline" / f"rank{rank}.jsonl")
@@ -281,7 +281,7 @@ def test_pod_environment_is_detected_from_the_tpu_variables():
 
 
 def test_child_env_gives_each_process_its_cpu_devices():
-    env = dist.child_env(3, 4, "127.0.0.1:1", None, comm_device=False, devices_per_process=2)
+    env = launch.child_env(3, 4, "127.0.0.1:1", None, comm_device=False, devices_per_process=2)
     assert env[dist.ENV_CPU_DEVICES] == "2" and env[dist.ENV_ID] == "3" and dist.ENV_AUTO not in env
 
 
@@ -338,7 +338,7 @@ def test_trainer_exchange_overlaps_inner_steps_on_a_throttled_link(tmp_path):
         assert r2.returncode == 0, r2.stderr[-3000:]
     finally:
         subprocess.run([script, "down", "2"], capture_output=True, env=env)
-    from diloco.outer.overlap import overlap_report, read_timeline
+    from diloco.timeline import overlap_report, read_timeline
 
     rows = read_timeline(wd / "timeline" / "rank0.jsonl")
     rep = overlap_report(rows)
@@ -348,7 +348,7 @@ def test_trainer_exchange_overlaps_inner_steps_on_a_throttled_link(tmp_path):
 
 
 def test_overlap_report_from_a_hand_built_timeline():
-    from diloco.outer.overlap import overlap_report
+    from diloco.timeline import overlap_report
 
     rows = [{"kind": "step", "step": 1, "start": 0.0, "end": 1.0},
             {"kind": "exchange_start", "step": 1, "fragment": 0, "t": 1.05},
@@ -498,7 +498,7 @@ def test_a_process_that_reaches_the_first_collective_late_is_waited_for(tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     procs = [subprocess.Popen([sys.executable, "-c", LATE_FIRST_CALL, how, "40"], cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**env, **dist.child_env(i, 2, f"127.0.0.1:{port}", None, comm_device=False),
+                              env={**env, **launch.child_env(i, 2, f"127.0.0.1:{port}", None, comm_device=False),
                                    "JAX_PLATFORMS": "cpu"})
              for i in range(2)]
     try:
