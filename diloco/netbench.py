@@ -157,7 +157,7 @@ def _payload_bytes(summary: dict, n_params: int) -> list[int]:
 def train_row(variant: str, rate: str, workdir: Path, H: int, ref_step_s: float | None,
               achieved_mbit: float | None = None) -> dict:
     """One measured point from a finished run's summary and its per-rank timelines."""
-    from diloco.outer.overlap import overlap_report, read_timeline
+    from diloco.timeline import overlap_report, read_timeline
 
     summ = json.loads((workdir / "summary.json").read_text())
     warm = 5 if variant == "dp" else 2 * H  # every jit (sends, applies, merges) has run once
@@ -195,7 +195,7 @@ def train_sweep(rates: list[str], variants: list[str], out: Path, steps: int = 1
         argv += ["--config.replicas=1", "--config.batch_size=8"]
         subprocess.run([sys.executable, "-m", "diloco.cli", *argv], cwd=REPO, check=True,
                        env=dict(os.environ, DILOCO_TIMELINE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from diloco.outer.overlap import overlap_report, read_timeline
+    from diloco.timeline import overlap_report, read_timeline
 
     ref_step = overlap_report(read_timeline(ref_dir / "timeline" / "rank0.jsonl"), 5)["median_step_s"]
     rows = []
@@ -328,7 +328,7 @@ def main(argv: list[str]) -> int:
         train_report(Path(args.out))
         return 0
     if args.cmd == "timeline":
-        from diloco.outer.overlap import overlap_report, read_timeline
+        from diloco.timeline import overlap_report, read_timeline
 
         files = sorted(Path(args.workdir, "timeline").glob("rank*.jsonl"))
         if not files:

@@ -159,7 +159,7 @@ class Run:
         self.timeline = None
         # steps, exchanges, waits: per-process files appended line by line, so only in a local run folder
         if (self.multi or os.environ.get("DILOCO_TIMELINE") == "1") and not is_remote(self.run.root):
-            from diloco.outer.overlap import Timeline
+            from diloco.timeline import Timeline
 
             self.timeline = Timeline(os.fspath(self.run / "timeline" / f"rank{jax.process_index()}.jsonl"),
                                      jax.process_index(), resume=True)
