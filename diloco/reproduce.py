@@ -34,6 +34,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 from diloco.errors import ConfigError
+from diloco.reproduce_results import (BEYOND_PLAN, BEYOND_TABLES, headline, headline_text, merge_headline,
+                                      sweep_seconds, write_readme)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,225 +92,11 @@ def simulator(out: Path) -> list[Path]:
     return [sim / f"paper_table.{e}" for e in ("md", "csv", "json")]
 
 
-def _ratio(a, b) -> float | None:
-    return float(a) / float(b) if b and a == a and b == b else None  # None for 0 or NaN (a run without syncs)
-
-
-def headline(root: Path) -> dict:
-    """The acceptance numbers: Streaming's gap to DP, bytes ratio, peak ratio; τ/α trends."""
-    from diloco.report import load_runs
-
-    df = load_runs(root)
-    df = df[df.status == "done"]
-    out: dict = {"scaling": [], "tau_alpha": {}}
-    sc = df[df.sweep.str.startswith("c4_scaling")]
-    for scale, g in sc.groupby("scale", sort=False):
-        by = {r.label: r for r in g.itertuples()}
-        dp, dil = by.get("data_parallel"), next((r for k, r in by.items() if k.startswith("diloco")), None)
-        for lab, r in by.items():
-            if not lab.startswith("streaming") or dp is None:
-                continue
-            out["scaling"].append({
-                "scale": scale, "method": lab, "H": r.H, "eval_loss": r.final_eval_loss, "dp_eval_loss": dp.final_eval_loss,
-                "diloco_eval_loss": dil.final_eval_loss if dil else None,
-                "gap_to_dp_pct": 100 * (r.final_eval_loss / dp.final_eval_loss - 1),
-                "bytes_ratio_to_dp": _ratio(r.bytes_exchanged_total, dp.bytes_exchanged_total),
-                "peak_ratio_to_diloco": _ratio(r.bytes_peak_per_sync, dil.bytes_peak_per_sync) if dil else None})
-    ta = df[df.sweep.str.startswith("tau_alpha")]
-    for r in ta.itertuples():
-        out["tau_alpha"].setdefault(f"alpha={float(r.alpha):g}", {})[int(r.tau)] = r.final_eval_loss
-    return out
-
-
-def merge_headline(new: dict, old: dict) -> dict:
-    """The committed headline with what this root regenerated: a scaling row replaces the committed row
-    of its (scale, method) in place, a τ×α loss the committed value of its (α, τ); rows and values this
-    root has no runs for are kept (as every other table merges: diloco/report/write.py)."""
-    key = lambda r: (r["scale"], r["method"])
-    fresh = {key(r): r for r in new.get("scaling", [])}
-    scaling = [fresh.pop(key(r), r) for r in old.get("scaling", [])] + list(fresh.values())
-    tau_alpha = {a: {str(t): v for t, v in d.items()} for a, d in old.get("tau_alpha", {}).items()}
-    for a, d in new.get("tau_alpha", {}).items():
-        tau_alpha.setdefault(a, {}).update({str(t): v for t, v in d.items()})
-    return {"scaling": scaling, "tau_alpha": tau_alpha}
-
-
-def headline_text(h: dict) -> str:
-    lines = []
-    for s in h["scaling"]:
-        peak = f"×{s['peak_ratio_to_diloco']:.3f} (1/{1 / s['peak_ratio_to_diloco']:.1f})" \
-            if s["peak_ratio_to_diloco"] else "n/a (no sync)"
-        b = s["bytes_ratio_to_dp"] or 0.0
-        lines.append(f"  {s['scale']:>5} {s['method']:<24} eval {s['eval_loss']:.4f} (DP {s['dp_eval_loss']:.4f}): "
-                     f"gap to DP {s['gap_to_dp_pct']:+.2f}%, total bytes vs DP "
-                     f"{f'×{b:.4f} (1/{1 / b:.0f})' if b else '0 (no sync)'}, peak vs DiLoCo {peak}")
-    for a, d in sorted(h["tau_alpha"].items()):
-        d = {int(t): v for t, v in d.items()}  # JSON keys are strings
-        if not d:
-            continue
-        base = d.get(0, d[min(d)])
-        pts = ", ".join(f"τ={t}: {v:.4f} ({100 * (v / base - 1):+.2f}%)" for t, v in sorted(d.items()))
-        lines.append(f"  τ×α {a}: {pts}")
-    al = {a: {int(t): v for t, v in d.items()} for a, d in h["tau_alpha"].items()}
-    if "alpha=0" in al and "alpha=0.5" in al:
-        common = sorted(set(al["alpha=0"]) & set(al["alpha=0.5"]))
-        diff = ", ".join(f"τ={t}: {al['alpha=0.5'][t] - al['alpha=0'][t]:+.4f}" for t in common)
-        lines.append(f"  α=0.5 minus α=0 (negative = α=0.5 better): {diff}")
-    return "\n".join(lines)
-
-
-def _md(rows: list[dict]) -> str:
-    import pandas as pd
-
-    from diloco.report import markdown
-
-    return markdown(pd.DataFrame(rows)).rstrip("\n")
-
-
-def sweep_seconds(root: Path, s: dict) -> tuple[float, int]:
-    """(training seconds summed over the runs' own summaries, runs with a summary) of a loaded sweep:
-    the cost of the runs, not of this invocation (a rerun that skips everything costs 1 s)."""
-    secs, n = 0.0, 0
-    for p in s["points"]:
-        try:
-            summ = json.loads((root / s["name"] / p["name"] / "summary.json").read_text())
-        except (OSError, ValueError):
-            continue
-        secs += float(summ.get("wall_seconds") or 0.0)
-        n += 1
-    return secs, n
-
-
-def _shown_argv(argv: list[str]) -> list[str]:
-    """argv as the README names the invocation: without --tables-only and --note (its text is shown apart)."""
-    shown, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--tables-only", "--tables_only"):
-            continue
-        elif a == "--note":
-            skip = True
-        elif not a.startswith("--note="):
-            shown.append(a)
-    return shown
-
-
-def _group_section(title: str, text: str, names: list[str], known: dict) -> list[str]:
-    """A README section for a step group: its description, then each distinct note of its steps."""
-    lines = ["", f"## {title}", "", text]
-    notes: dict[str, list[str]] = {}
-    for n in names:
-        if known.get(n, {}).get("note"):
-            notes.setdefault(known[n]["note"], []).append(n)
-    for note, ns in notes.items():
-        lines += ["", "The run records of " + ", ".join(f"`{n}`" for n in ns) + f": {note}"]
-    return lines
-
-
-def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, str, float, int]], h: dict,
-                 history: list[dict] = (), note: str = "", trained: set[str] = frozenset()) -> Path:
-    """results/README.md: the steps (with their runs' training time), every sweep behind a committed table
-    (from runs.csv, so sweeps not rerun now stay listed), the headline and every file in out/. No wall-clock
-    date: rewriting it from the same records gives the same text (the per-table dates are in provenance.json).
-    `note` (--note) is kept in steps.json on each sweep step of this invocation; without one, a step keeps its
-    committed note unless it has a new root or is in `trained` (it trained new runs: the note may not
-    hold for them). A step group's description (BEYOND_TEXT) and its steps' notes make its own section."""
-    import pandas as pd
-
-    shown_argv = _shown_argv(argv)
-    cmd = "diloco reproduce" + (" " + shlex.join(shown_argv) if shown_argv else "")
-    # steps of earlier invocations (e.g. the quick job's, when this is --full) stay listed
-    steps_path = out / "steps.json"
-    try:
-        known = json.loads(steps_path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    for name, c, secs, n in steps:
-        old = known.get(name, {})
-        known[name] = {"made_by": cmd, "root": str(root), "command": c, "runs": n, "run_seconds": round(secs)}
-        kept = note or (old.get("note") if old.get("root") == str(root) and name not in trained else "")
-        if kept and c.startswith("diloco sweep "):  # a note is on runs: a sweep step's
-            known[name]["note"] = kept
-    text = json.dumps(known, indent=1, sort_keys=True) + "\n"
-    if not steps_path.exists() or steps_path.read_text() != text:
-        steps_path.write_text(text)
-    made = sorted({(v["made_by"], v.get("root", "")) for v in known.values()})
-    lines = ["# results/ — generated", "",
-             "Made by " + "; ".join(f"`{m}` (run records under `{r}`)" for m, r in made) + ". Regenerate the "
-             f"tables alone with `diloco tables --root ROOT --out {out}` (they merge: nothing committed is dropped). "
-             "`results/paper/` holds the paper's numbers these are compared with (not generated). `claims.md`: "
-             "each claim of the paper the toy scale can test, with a verdict. `provenance.json`: for every table, "
-             "which runs it came from and when they finished.", "",
-             "## Steps", "",
-             "`run seconds`: the training time recorded by the runs themselves (summed; runs of earlier invocations "
-             "included), not the time of this invocation, which skips finished runs.", "",
-             _md([{"step": name, "made by": f"`{v['made_by']}`", "command": f"`{v['command']}`", "runs": v["runs"],
-                   "run seconds": v["run_seconds"]} for name, v in sorted(known.items())])]
-    sweeps: dict[str, tuple[str, str]] = {}  # sweep → (spec, root its runs were under)
-    counts: dict[str, str] = {}  # sweep → "(8 seeds, 64 runs; data order: …)"
-    runs_csv = out / "runs.csv"
-    if runs_csv.exists():
-        try:
-            df = pd.read_csv(runs_csv)
-            for sweep, g in df.groupby("sweep", sort=False):
-                k = g["seed"].nunique() if "seed" in g else 0
-                orders = g["data_order"].dropna().unique() if "data_order" in g else []
-                counts[sweep] = (f" ({k} seed{'s' * (k != 1)}, " if k else " (") + f"{len(g)} run{'s' * (len(g) != 1)}" + (
-                    f"; data order: {orders[0]}" if len(orders) == 1 else "") + ")"
-            for r in df.itertuples():
-                wd = Path(str(getattr(r, "workdir", "")))
-                where = str(wd.parent.parent) if wd.parts else str(root)
-                f = getattr(r, "sweep_file", "")
-                if not (isinstance(f, str) and f):  # older records: <stem>_<arg> → sweeps/<stem>.py:<arg>
-                    stem, _, arg = r.sweep.rpartition("_")
-                    f = f"sweeps/{stem}.py:{arg}" if stem and (REPO / "sweeps" / f"{stem}.py").exists() else ""
-                sweeps.setdefault(r.sweep, (f, where))
-        except (OSError, ValueError, AttributeError):
-            pass
-    if sweeps:
-        lines += ["", "## Sweeps in the records", "",
-                  "Every sweep behind a table here (each run's exact command is in its `point.json`; `runs.csv` "
-                  "has one row per run, kept even when its folder is not under this root):", ""]
-        lines += [f"- `{name}`" + (f": `diloco sweep {spec} --root {where}`" if spec else "") + counts.get(name, "")
-                  for name, (spec, where) in sorted(sweeps.items())]
-    beyond = [n for n, _ in BEYOND_PLAN] + [BEYOND_TABLES]
-    if any(n in known for n in beyond):
-        lines += _group_section(BEYOND_TITLE, BEYOND_TEXT, [n for n in beyond if n in known], known)
-    rest = [n for n, v in known.items() if v.get("note") and n not in beyond]
-    if rest:
-        lines += _group_section("Notes on the steps", "Where the runs of these steps came from (`diloco reproduce "
-                                "--note`, kept in steps.json).", rest, known)
-    if h.get("scaling") or h.get("tau_alpha"):
-        lines += ["", "## Headline (toy scale, the quick budget)", "", "```", headline_text(h), "```"]
-    lines += ["", "## Files", ""]
-    for f in sorted(p for p in out.rglob("*") if p.is_file() and p.name != "README.md" and "paper" not in p.parts
-                    and "overlap" not in p.parts):
-        lines.append(f"- `{f.relative_to(out)}`")
-    lines += [""]
-    p = out / "README.md"
-    text = "\n".join(lines)
-    if not p.exists() or p.read_text() != text:
-        p.write_text(text)
-    return p
-
-
 # -- --full: the claims table at the paper-like budget --------------------------------------------------
 FULL_PLAN = [("tune_inner_lr", "sweeps/tune_inner_lr.py:tiny"), ("tune_outer_lr", "sweeps/tune_outer_lr.py:tiny"),
              ("claims_headline", "sweeps/claims.py:headline,tiny"), ("claims_tau_alpha", "sweeps/claims.py:tau_alpha,tiny"),
              ("claims_pattern", "sweeps/claims.py:pattern,toy"), ("claims_table3", "sweeps/claims.py:table3,tiny"),
              ("claims_headline_toy", "sweeps/claims.py:headline,toy")]
-# -- --beyond: what researchers compare Streaming DiLoCo with today (#33), default root runs/eager ----------
-BEYOND_PLAN = [("eager_table2", "sweeps/eager.py:table2,tiny"), ("eager_table3", "sweeps/eager.py:table3,tiny"),
-               ("compression_ef", "sweeps/compression.py:tiny,ef"), ("compression", "sweeps/compression.py:tiny")]
-BEYOND_TABLES = "tables and plots (--beyond)"
-BEYOND_TITLE = "[EU] eager updates and 2-bit ± error feedback (#33, `diloco reproduce --beyond`)"
-BEYOND_TEXT = ("`table2_eager.md` / `table3_eager.md`: [EU] (arXiv 2502.12996) Tables 2 and 3 beside ours; "
-               "`ablation_compression_ef_tiny.md`: FP32, FP4, 2-bit (int2), each ± error feedback; "
-               "`ablation_compression_tiny.md`: the compression ablation with its int2 and error-feedback rows; "
-               "verdicts in `claims.md`. Made by the steps `eager_table2`, `eager_table3`, `compression_ef` and "
-               "`compression` (commands in the Steps table; seeds, runs and data order per sweep in the list "
-               "of sweeps), then `diloco tables` over their root.")
 # Seconds per training step of one run while two run at once on 2 shared cores (measured: tiny 990 steps
 # ≈ 120 s, toy 240 steps ≈ 230 s), used until the root has finished runs of that scale to measure.
 SECONDS_PER_STEP = {"tiny": 0.12, "toy": 0.95, "toy-l": 4.0}
@@ -398,7 +186,8 @@ class Progress:
         _say(self.line())
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
+    """(args, extra --config.KEY=VALUE for every run, taus, alphas), or an exit code after one bad-input line."""
     ap = argparse.ArgumentParser(prog="diloco reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default="runs/reproduce", help="where the runs go (resumable; default runs/reproduce)")
@@ -436,11 +225,6 @@ def main(argv: list[str]) -> int:
         args.root = "runs/full"
     if args.beyond and args.root == "runs/reproduce":
         args.root = "runs/eager"
-    group = args.full or args.beyond  # a named step group: no quick-job steps (bytes, simulator, τ filter)
-    from diloco import report, sweep as sw
-
-    root, out = Path(args.root), Path(args.out)
-    skip = {s for s in args.skip.split(",") if s}
     extra = []
     if args.data:
         extra.append(f"--config.data={args.data}")
@@ -458,96 +242,130 @@ def main(argv: list[str]) -> int:
     except ValueError:
         print("diloco reproduce: bad input: --taus/--alphas must be comma-separated numbers, e.g. --taus 0,1,5", file=sys.stderr)
         return 2
+    return args, extra, taus, alphas
+
+
+def load_plan(args, root: Path, out: Path, skip: set[str], taus, alphas, extra) -> tuple[list, float]:
+    """The sweeps this invocation runs, [(step name, spec, loaded sweep)] (the τ×α points filtered to
+    --taus/--alphas), and its estimated seconds; says both on one line."""
+    from diloco import sweep as sw
+
+    plan = [("scaling", f"sweeps/c4_scaling.py:{args.scale}"), ("tau_alpha", f"sweeps/tau_alpha.py:{args.ablation_scale}")]
+    if args.full:
+        plan = FULL_PLAN
+    if args.beyond:
+        plan = BEYOND_PLAN
+    loaded = [(name, spec, sw.load_sweep(str(REPO / spec))) for name, spec in plan if name not in skip]
+    for name, _, s in loaded:
+        if args.full or args.beyond:
+            break
+        if name == "tau_alpha":
+            s["points"] = [p for p in s["points"] if int(p["point"]["tau"]) in taus
+                           and float(p["point"]["alpha"]) in alphas]
+    n = sum(len(s["points"]) for *_, s in loaded)
+    counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
+    est, left = estimate_seconds(root, loaded, args.workers, extra, committed=out / "runs.csv")
+    budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment; seeds "
+              + ", ".join(f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.full
+              else "beyond the paper at tiny (200 steps): seeds " + ", ".join(
+                  f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.beyond
+              else "a SHORT budget (200–240 steps, one seed): quick to run, its gaps are not findings; "
+                   "`diloco reproduce --full` runs the claims table")
+    _say(f"{n} training runs ({counts}), {left} left, {args.workers} at a time, under {root}; "
+         f"estimated {est / 60:.0f} min of training; then tables → {out}/. Budget: {budget}")
+    return loaded, est
+
+
+def sweep_command(args, spec: str, root: Path, extra=()) -> str:
+    """The `diloco sweep` command line a step ran (or would run)."""
+    return shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
+                       *([] if args.process_per_run else ["--in-process"]),
+                       *[f"--set={e[len('--config.'):]}" for e in extra]])
+
+
+def run_plan(args, loaded, root: Path, est: float, extra, steps: list) -> dict:
+    """Train every sweep of `loaded` (resuming: finished points are skipped); each one's step appended
+    to `steps`. Returns the counts of trained, skipped and failed runs and the steps that trained."""
+    from diloco import sweep as sw
+
     # Runs of one sweep compile the same functions: share them through JAX's persistent cache.
     jax_cache = {k: os.environ.get(k, v) for k, v in (
         ("JAX_COMPILATION_CACHE_DIR", str((root / ".jax_cache").resolve())),
         ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"), ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1"))}
-    t_start = time.time()
-    steps: list[tuple[str, str, float]] = []
+    got = {"failed": 0, "trained": 0, "skipped": 0, "fresh": set()}  # fresh: steps that trained new runs
+    with Progress(root, loaded, est):
+        for name, spec, s in loaded:
+            _say(f"{name}: diloco sweep {spec} --root {root} -j {args.workers}")
+            res = sw.run_sweep(s, root, args.workers, extra, in_process=not args.process_per_run, env=jax_cache)
+            print(sw.format_table(res), flush=True)
+            for key, status in (("failed", "failed"), ("trained", "done"), ("skipped", "skipped")):
+                got[key] += sum(r["status"] == status for r in res)
+            if any(r["status"] == "done" for r in res):
+                got["fresh"].add(name)
+            steps.append((name, sweep_command(args, spec, root, extra), *sweep_seconds(root, s)))
+    return got
+
+
+def write_results(args, argv, root: Path, out: Path, skip, steps: list, got: dict, t_start: float):
+    """The quick job's bytes and simulator steps, `diloco tables`, headline.json, the history line and
+    results/README.md. Returns (README path, headline, report.build's result)."""
+    from diloco import report
+    from diloco.report.write import write_if_changed
+    from diloco.rundir import atomic_write_text
+
+    group = args.full or args.beyond  # a named step group: no quick-job steps (bytes, simulator, τ filter)
     files: list[Path] = []
+    out.mkdir(parents=True, exist_ok=True)
+    if "bytes" not in skip and not group:
+        _say("bytes: analytic paper-scale check (diloco bytes --scale 1B …)")
+        files.append(bytes_analytic(out))
+        steps.append(("bytes (analytic, 1B)", "diloco bytes --scale 1B --tokens 25B --method dp|diloco|streaming --H 100",
+                      0.0, 0))
+    if "simulator" not in skip and not group:
+        _say("simulator: diloco simulate --paper-table --out results/simulator  ([SD] Table 4)")
+        files += simulator(out)
+        steps.append(("simulator Table 4", f"diloco simulate --paper-table --out {out / 'simulator'}", 0.0, 0))
+    _say(f"tables: diloco tables --root {root} --out {out}")
+    built = report.build(root, out)
+    files += built.files
+    tables_step = BEYOND_TABLES if args.beyond else "tables and plots"
+    steps.append((tables_step, f"diloco tables --root {root} --out {out}", 0.0, 0))
+    if got["trained"]:
+        got["fresh"].add(tables_step)
     try:
-        plan = [("scaling", f"sweeps/c4_scaling.py:{args.scale}"), ("tau_alpha", f"sweeps/tau_alpha.py:{args.ablation_scale}")]
-        if args.full:
-            plan = FULL_PLAN
-        if args.beyond:
-            plan = BEYOND_PLAN
-        loaded = [(name, spec, sw.load_sweep(str(REPO / spec))) for name, spec in plan if name not in skip]
-        for name, _, s in loaded:
-            if group:
-                break
-            if name == "tau_alpha":
-                s["points"] = [p for p in s["points"] if int(p["point"]["tau"]) in taus
-                               and float(p["point"]["alpha"]) in alphas]
-        n = sum(len(s["points"]) for *_, s in loaded)
-        counts = ", ".join(f"{s['name']}: {len(s['points'])}" for *_, s in loaded)
-        est, left = estimate_seconds(root, loaded, args.workers, extra, committed=out / "runs.csv")
-        budget = ("the claims budget: ≈20 tokens/parameter, ≥30 outer rounds per fragment; seeds "
-                  + ", ".join(f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.full
-                  else "beyond the paper at tiny (200 steps): seeds " + ", ".join(
-                      f"{s['name']} {s['seeds']}" for *_, s in loaded) if args.beyond
-                  else "a SHORT budget (200–240 steps, one seed): quick to run, its gaps are not findings; "
-                       "`diloco reproduce --full` runs the claims table")
-        _say(f"{n} training runs ({counts}), {left} left, {args.workers} at a time, under {root}; "
-             f"estimated {est / 60:.0f} min of training; then tables → {out}/. Budget: {budget}")
+        committed = json.loads((out / "headline.json").read_text())
+    except (OSError, ValueError):
+        committed = {}
+    h = merge_headline(headline(root), committed)  # a --full root adds nothing to it
+    if h["scaling"] or h["tau_alpha"]:
+        write_if_changed(out / "headline.json", json.dumps(h, indent=1) + "\n", atomic_write_text)
+        files.append(out / "headline.json")
+    with open(root / "reproduce_history.jsonl", "a") as f:
+        f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t_start)),
+                            "command": "diloco reproduce" + (" " + shlex.join(argv) if argv else ""),
+                            "trained": got["trained"], "skipped": got["skipped"], "failed": got["failed"],
+                            "minutes": round((time.time() - t_start) / 60, 2)}) + "\n")
+    return write_readme(out, root, argv, steps, h, note=args.note, trained=got["fresh"]), h, built
+
+
+def main(argv: list[str]) -> int:
+    parsed = parse_args(argv)
+    if isinstance(parsed, int):
+        return parsed
+    args, extra, taus, alphas = parsed
+    root, out = Path(args.root), Path(args.out)
+    skip = {s for s in args.skip.split(",") if s}
+    t_start = time.time()
+    steps: list[tuple[str, str, float, int]] = []
+    got = {"failed": 0, "trained": 0, "skipped": 0, "fresh": set()}
+    try:
+        loaded, est = load_plan(args, root, out, skip, taus, alphas, extra)
         if args.estimate:
             return 0
         if args.tables_only:
-            for name, spec, s in loaded:
-                secs, nrun = sweep_seconds(root, s)
-                steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
-                                                *([] if args.process_per_run else ["--in-process"])]), secs, nrun))
-            loaded = []
-        failed = trained = skipped = 0
-        fresh: set[str] = set()  # steps that trained new runs
-        with Progress(root, loaded, est):
-            for name, spec, s in loaded:
-                _say(f"{name}: diloco sweep {spec} --root {root} -j {args.workers}")
-                res = sw.run_sweep(s, root, args.workers, extra, in_process=not args.process_per_run, env=jax_cache)
-                print(sw.format_table(res), flush=True)
-                failed += sum(r["status"] == "failed" for r in res)
-                trained += sum(r["status"] == "done" for r in res)
-                skipped += sum(r["status"] == "skipped" for r in res)
-                if any(r["status"] == "done" for r in res):
-                    fresh.add(name)
-                secs, nrun = sweep_seconds(root, s)
-                steps.append((name, shlex.join(["diloco", "sweep", spec, "--root", str(root), "-j", str(args.workers),
-                                                *([] if args.process_per_run else ["--in-process"]),
-                                                *[f"--set={e[len('--config.'):]}" for e in extra]]), secs, nrun))
-        out.mkdir(parents=True, exist_ok=True)
-        if "bytes" not in skip and not group:
-            _say("bytes: analytic paper-scale check (diloco bytes --scale 1B …)")
-            files.append(bytes_analytic(out))
-            steps.append(("bytes (analytic, 1B)", "diloco bytes --scale 1B --tokens 25B --method dp|diloco|streaming --H 100",
-                          0.0, 0))
-        if "simulator" not in skip and not group:
-            _say("simulator: diloco simulate --paper-table --out results/simulator  ([SD] Table 4)")
-            files += simulator(out)
-            steps.append(("simulator Table 4", f"diloco simulate --paper-table --out {out / 'simulator'}", 0.0, 0))
-        _say(f"tables: diloco tables --root {root} --out {out}")
-        built = report.build(root, out)
-        files += built.files
-        tables_step = BEYOND_TABLES if args.beyond else "tables and plots"
-        steps.append((tables_step, f"diloco tables --root {root} --out {out}", 0.0, 0))
-        if trained:
-            fresh.add(tables_step)
-        from diloco.report.write import write_if_changed
-        from diloco.rundir import atomic_write_text
-
-        try:
-            committed = json.loads((out / "headline.json").read_text())
-        except (OSError, ValueError):
-            committed = {}
-        h = merge_headline(headline(root), committed)  # a --full root adds nothing to it
-        if h["scaling"] or h["tau_alpha"]:
-            write_if_changed(out / "headline.json", json.dumps(h, indent=1) + "\n", atomic_write_text)
-            files.append(out / "headline.json")
-        hist_path = root / "reproduce_history.jsonl"
-        with open(hist_path, "a") as f:
-            f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t_start)),
-                                "command": "diloco reproduce" + (" " + shlex.join(argv) if argv else ""),
-                                "trained": trained, "skipped": skipped, "failed": failed,
-                                "minutes": round((time.time() - t_start) / 60, 2)}) + "\n")
-        readme = write_readme(out, root, argv, steps, h, note=args.note, trained=fresh)
+            steps += [(name, sweep_command(args, spec, root), *sweep_seconds(root, s)) for name, spec, s in loaded]
+        got = run_plan(args, [] if args.tables_only else loaded, root, est, extra, steps)
+        readme, h, built = write_results(args, argv, root, out, skip, steps, got, t_start)
     except ConfigError as e:
         print(f"diloco reproduce: bad input: {e}", file=sys.stderr)
         return 2
@@ -562,7 +380,7 @@ def main(argv: list[str]) -> int:
     if built.changed:
         print(f"{len(built.changed)} number(s) differ from the committed ones at the printed precision "
               "(listed above by diloco tables); see docs/experiments.md on what is bit-reproducible")
-    if failed:
-        print(f"{failed} run(s) failed: see {out / 'failed_runs.md'} and each run's failed.json")
+    if got["failed"]:
+        print(f"{got['failed']} run(s) failed: see {out / 'failed_runs.md'} and each run's failed.json")
     print("=" * 78)
-    return 1 if failed else 0
+    return 1 if got["failed"] else 0

@@ -157,7 +157,7 @@ def test_seed_rows_are_mean_and_sample_std_and_gaps_are_paired(tmp_path):
 
 def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
     """A fresh clone's reproduce: the root holds only some of the runs behind the committed tables."""
-    from diloco import reproduce
+    from diloco import reproduce_results as reproduce
 
     full, part, out = tmp_path / "full", tmp_path / "part", tmp_path / "out"
     for scale in ("tiny", "toy"):

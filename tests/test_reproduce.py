@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco import reproduce, sweep as sw
+from diloco import reproduce, reproduce_results, sweep as sw
 
 
 def test_estimate_uses_the_roots_measured_seconds_per_step(tmp_path):
@@ -84,13 +84,13 @@ def test_the_committed_readme_is_what_the_generator_writes_from_the_committed_re
     out = Path("results")
     committed = (out / "README.md").read_text()
     h = json.loads((out / "headline.json").read_text())
-    reproduce.write_readme(out, Path("runs/reproduce"), [], [], h)
+    reproduce_results.write_readme(out, Path("runs/reproduce"), [], [], h)
     assert (out / "README.md").read_text() == committed
-    assert reproduce.BEYOND_TITLE in committed and "f2a883d" in committed  # #33's eager runs and their code
+    assert reproduce_results.BEYOND_TITLE in committed and "f2a883d" in committed  # #33's eager runs and their code
 
 
 def test_beyond_plan_is_the_eager_and_error_feedback_sweeps():
-    specs = {sw.load_sweep(sp)["name"]: sw.load_sweep(sp)["seeds"] for _, sp in reproduce.BEYOND_PLAN}
+    specs = {sw.load_sweep(sp)["name"]: sw.load_sweep(sp)["seeds"] for _, sp in reproduce_results.BEYOND_PLAN}
     assert specs == {"eager_table2_tiny": 8, "eager_table3_tiny": 8, "compression_ef_tiny": 8, "compression_tiny": 1}
     assert reproduce.main(["--full", "--beyond", "--estimate"]) == 2
 
@@ -102,12 +102,12 @@ def test_headline_merges_with_the_committed_one():
            "tau_alpha": {"alpha=0": {"0": 2.84, "5": 2.91}, "alpha=0.5": {"0": 2.81}}}
     new = {"scaling": [{"scale": "tiny", "method": "s30", "eval_loss": 6.1}, {"scale": "tiny", "method": "s100", "eval_loss": 6.5}],
            "tau_alpha": {"alpha=0": {0: 6.5, 1: 6.4}}}
-    assert reproduce.merge_headline(new, old) == {
+    assert reproduce_results.merge_headline(new, old) == {
         "scaling": [{"scale": "tiny", "method": "s30", "eval_loss": 6.1}, {"scale": "toy", "method": "s30", "eval_loss": 2.4},
                     {"scale": "tiny", "method": "s100", "eval_loss": 6.5}],
         "tau_alpha": {"alpha=0": {"0": 6.5, "5": 2.91, "1": 6.4}, "alpha=0.5": {"0": 2.81}}}
-    assert reproduce.merge_headline({"scaling": [], "tau_alpha": {}}, old) == old  # a --full root
-    assert reproduce.merge_headline(new, {})["scaling"] == new["scaling"]
+    assert reproduce_results.merge_headline({"scaling": [], "tau_alpha": {}}, old) == old  # a --full root
+    assert reproduce_results.merge_headline(new, {})["scaling"] == new["scaling"]
 
 
 def _csv_keys(path, key) -> set[tuple]:
