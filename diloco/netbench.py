@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -184,11 +185,25 @@ def train_row(variant: str, rate: str, workdir: Path, H: int, ref_step_s: float 
     return row
 
 
+def unpack_runs(out: Path) -> bool:
+    """OUT/runs.tar.xz (the committed runs' config, metrics, summary and per-rank timelines, one archive
+    instead of thousands of JSONL lines in git) unpacked into OUT/runs/ when that folder is missing, so
+    `sweep` reads those runs' rows instead of training them again. True when it unpacked."""
+    archive = out / "runs.tar.xz"
+    if not archive.exists() or (out / "runs").exists():
+        return False
+    with tarfile.open(archive) as t:
+        t.extractall(out, filter="data")
+    return True
+
+
 def train_sweep(rates: list[str], variants: list[str], out: Path, steps: int = 120, H: int = 20,
                 dp_steps: int = 30) -> list[dict]:
     """Root: for each rate, shape the links and run `diloco launch --netns [--comm_device] -- train` per
-    variant; finished runs (summary.json present) are not run again. Rows → OUT/train_cu.jsonl."""
+    variant; finished runs (summary.json present, OUT/runs.tar.xz unpacked first) are not run again.
+    Rows → OUT/train_cu.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
+    unpack_runs(out)
     ref_dir = out / "runs" / "dp_reference_1proc"
     if not (ref_dir / "summary.json").exists():  # DP's compute time: the same step with no link
         argv, _ = train_args("dp", dp_steps, H, ref_dir)

@@ -383,6 +383,22 @@ def test_cross90_interpolates_in_log_rate():
     assert cross90([1, 10], [0.1, 0.2]) is None
 
 
+def test_the_committed_trainer_runs_unpack_into_the_sweeps_rows_and_once_only(tmp_path):
+    """results/overlap/trainer/runs.tar.xz holds the committed runs; `sweep` unpacks it where runs/ is
+    missing, so every committed run's row is read from its timelines, not trained again."""
+    from diloco.netbench import train_row, unpack_runs
+
+    out = tmp_path / "trainer"
+    out.mkdir()
+    shutil.copy(REPO / "results/overlap/trainer/runs.tar.xz", out)
+    assert unpack_runs(out) and not unpack_runs(out)  # a second call leaves runs/ as it is
+    wd = out / "runs" / "10mbit" / "streaming_fp4_overlap"
+    row = train_row("streaming_fp4_overlap", "10mbit", wd, 20, 0.05)
+    committed = [json.loads(l) for l in (REPO / "results/overlap/trainer/train_cu.jsonl").read_text().splitlines()]
+    want = next(r for r in committed if (r["rate"], r["variant"]) == ("10mbit", "streaming_fp4_overlap"))
+    assert row["cu"] == pytest.approx(want["cu"]) and row["params_sha256"] == want["params_sha256"]
+
+
 def test_simulated_cu_rises_with_bandwidth_and_fp4_needs_less():
     from diloco.netbench import simulated_cu
 
