@@ -1,6 +1,6 @@
 """The run folder: every record a run writes, and the one way to write it.
 
-  config.json       the resolved config           summary.json     final numbers + settings
+  config.json       the config as given (`auto`)  summary.json     final numbers, resolved plan
   metrics.jsonl     one row per logged step       downstream.jsonl downstream accuracy rows
   point.json        a sweep point's identity      failed.json      why a sweep point failed
   tb/               TensorBoard scalars (local)   timeline/        per-process event timelines (local)
