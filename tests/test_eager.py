@@ -133,7 +133,7 @@ def test_bad_settings_name_the_field(mode, rounds, field):
 # --- the rules on the trainer's outer state (diloco/outer/rules.py, what the send programs run) against EagerRef ---
 
 
-def _toy_sync(P, alpha=0.0, codec="none"):
+def _toy_sync(P, alpha=0.0, codec="none", name="nesterov"):
     import jax.numpy as jnp
 
     from diloco.outer import codecs
@@ -142,12 +142,13 @@ def _toy_sync(P, alpha=0.0, codec="none"):
 
     params = {"embed": jnp.array([1.0, 2.0]), **{f"block_{i}": {"w": jnp.array([3.0 + i, -1.0 - i])} for i in range(2)}}
     frags = make_fragments(params, 2, fragments=P, pattern="sequential")
-    return params, OuterSync(frags, codecs.make_codec(codec), outer_optimizer(0.7, 0.9), alpha)
+    return params, OuterSync(frags, codecs.make_codec(codec), outer_optimizer(0.7, 0.9, name), alpha)
 
 
-@pytest.mark.parametrize("mode, rounds, alpha", [("naive", 1, 0.0), ("swap", 1, 0.0), ("mix", 1, 0.5),
-                                                 ("swap", 2, 0.5)])
-def test_eager_round_matches_the_float64_reference(mode, rounds, alpha):
+@pytest.mark.parametrize("mode, rounds, alpha, opt", [("naive", 1, 0.0, "nesterov"), ("swap", 1, 0.0, "nesterov"),
+                                                      ("mix", 1, 0.5, "nesterov"), ("swap", 2, 0.5, "nesterov"),
+                                                      ("naive", 2, 0.5, "adam")])  # naive: any outer optimizer
+def test_eager_round_matches_the_float64_reference(mode, rounds, alpha, opt):
     """M = 2, P = 2, every step a round of both fragments (H = 1 style): replica m subtracts c_m·(1 + t)
     from its parameters each step; 5 rounds of eager_round against EagerRef fragment by fragment."""
     import jax
@@ -155,12 +156,12 @@ def test_eager_round_matches_the_float64_reference(mode, rounds, alpha):
 
     from diloco.outer import rules
 
-    params, sync = _toy_sync(2, alpha)
+    params, sync = _toy_sync(2, alpha, name=opt)
     params_R = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), params)
     rule = rules.Eager(mode, rounds)
     outer = sync.init(params).replace(extra=rules.init(rule, sync, params, 2))
     refs = [eager.EagerRef(mode, np.asarray(sync.frags.flatten(params, p)), 2, lr=0.7, momentum=0.9, alpha=alpha,
-                           rounds=rounds) for p in range(2)]
+                           rounds=rounds, step=getattr(eager, opt)) for p in range(2)]
     c = jnp.array([0.25, -0.5])
     for t in range(5):
         params_R = jax.tree_util.tree_map(lambda x: x - (c * (1 + t)).reshape(2, 1), params_R)

@@ -21,6 +21,7 @@ the whole outer loop of one fragment, which the tests check by hand and the trai
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -76,6 +77,13 @@ def nesterov(theta, mom, g, lr: float, momentum: float):
     return theta - lr * (g + momentum * mom), mom
 
 
+def adam(theta, state, g, lr: float, momentum: float, b2: float = 0.999, eps: float = 1e-8):
+    """optax.adam(lr, b1=momentum, b2, eps) on one step; state (m, v, t), 0 at the start."""
+    m, v, t = state if isinstance(state, tuple) else (0.0 * g, 0.0 * g, 0)
+    m, v, t = momentum * m + (1 - momentum) * g, b2 * v + (1 - b2) * g * g, t + 1
+    return theta - lr * (m / (1 - momentum ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps), (m, v, t)
+
+
 @dataclasses.dataclass
 class EagerRef:
     """Float64 reference of one fragment's outer loop under an eager mode (M replicas, shape (n,)).
@@ -91,6 +99,7 @@ class EagerRef:
     momentum: float = 0.9
     alpha: float = 0.0
     rounds: int = 1  # D: the delay in rounds
+    step: Callable = nesterov  # the outer optimizer's step (theta, state, g, lr, momentum) → (theta, state)
 
     def __post_init__(self):
         check(self.mode, self.rounds)
@@ -115,7 +124,7 @@ class EagerRef:
         self.sent.append(fresh)
         g = applied(self.mode, fresh, avg, own)
         self.applied_log.append(g)
-        self.outer, self.mom = nesterov(self.outer, self.mom, g, self.lr, self.momentum)
+        self.outer, self.mom = self.step(self.outer, self.mom, g, self.lr, self.momentum)
         return self.alpha * local_R + (1 - self.alpha) * self.outer
 
     def in_flight(self) -> list[np.ndarray]:
