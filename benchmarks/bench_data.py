@@ -1,6 +1,6 @@
 """Data supply vs demand: can one host's loader feed its chips at every paper scale?
 
-    python benchmarks/bench_data.py [--shared ../shared] [--mfu 0.5] [--chip_tflops 459] [--chips 4]
+    python benchmarks/bench_data.py --shared DIR [--mfu 0.5] [--chip_tflops 459] [--chips 4]
                                     [--host_cores 208] [--batches 200]
 
 Supply, measured here for each corpus/vocabulary, in tokens per CPU-second (process CPU time, all
@@ -51,7 +51,7 @@ def measure(data: str, vocab: str, data_dir: str | None, batches: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shared", default=str(ROOT.parent / "shared"), help="folder with data/ (the C4 sample, the T5 SentencePiece model)")
+    ap.add_argument("--shared", required=True, help="folder with data/ (the C4 sample, the T5 SentencePiece model)")
     ap.add_argument("--mfu", type=float, default=0.5)
     ap.add_argument("--chip_tflops", type=float, default=459.0, help="chip peak, bf16 (TPU v5p: 459)")
     ap.add_argument("--chips", type=int, default=4, help="chips per host (TPU v5p: 4)")

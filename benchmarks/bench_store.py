@@ -1,6 +1,6 @@
 """Token store: tokenize speed, reader speed (local and the storage emulator), step gaps, and the demand of a v5p host.
 
-    python benchmarks/bench_store.py [--shared ../shared] [--reads 2000] [--skip_tokenize] [--skip_gcs]
+    python benchmarks/bench_store.py --shared DIR [--reads 2000] [--skip_tokenize] [--skip_gcs]
 
 tokenize   tokens per CPU-second of seqio tokenization of the C4 sample (TFDS, 8 train shards) with the byte
            and the T5 SentencePiece vocabulary, in this process after its imports (what one core of a big
@@ -126,7 +126,7 @@ def demand() -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shared", default=str(ROOT.parent / "shared"))
+    ap.add_argument("--shared", required=True, help="folder with data/ (TFDS C4, the T5 SentencePiece model)")
     ap.add_argument("--reads", type=int, default=2000)
     ap.add_argument("--skip_tokenize", action="store_true")
     ap.add_argument("--skip_gcs", action="store_true")

@@ -138,6 +138,35 @@ def _group_section(title: str, text: str, names: list[str], known: dict) -> list
     return lines
 
 
+def recorded_sweeps(out: Path, root: Path) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """From out/runs.csv: sweep → (its spec, the root its runs were under), and sweep → "(8 seeds, 64 runs;
+    data order: …)"."""
+    import pandas as pd
+
+    sweeps: dict[str, tuple[str, str]] = {}  # sweep → (spec, root its runs were under)
+    counts: dict[str, str] = {}  # sweep → "(8 seeds, 64 runs; data order: …)"
+    runs_csv = out / "runs.csv"
+    if runs_csv.exists():
+        try:
+            df = pd.read_csv(runs_csv)
+            for sweep, g in df.groupby("sweep", sort=False):
+                k = g["seed"].nunique() if "seed" in g else 0
+                orders = g["data_order"].dropna().unique() if "data_order" in g else []
+                counts[sweep] = (f" ({k} seed{'s' * (k != 1)}, " if k else " (") + f"{len(g)} run{'s' * (len(g) != 1)}" + (
+                    f"; data order: {orders[0]}" if len(orders) == 1 else "") + ")"
+            for r in df.itertuples():
+                wd = Path(str(getattr(r, "workdir", "")))
+                where = str(wd.parent.parent) if wd.parts else str(root)
+                f = getattr(r, "sweep_file", "")
+                if not (isinstance(f, str) and f):  # older records: <stem>_<arg> → sweeps/<stem>.py:<arg>
+                    stem, _, arg = r.sweep.rpartition("_")
+                    f = f"sweeps/{stem}.py:{arg}" if stem and (REPO / "sweeps" / f"{stem}.py").exists() else ""
+                sweeps.setdefault(r.sweep, (f, where))
+        except (OSError, ValueError, AttributeError):
+            pass
+    return sweeps, counts
+
+
 def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, str, float, int]], h: dict,
                  history: list[dict] = (), note: str = "", trained: set[str] = frozenset()) -> Path:
     """results/README.md: the steps (with their runs' training time), every sweep behind a committed table
@@ -146,8 +175,6 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
     `note` (--note) is kept in steps.json on each sweep step of this invocation; without one, a step keeps its
     committed note unless it has a new root or is in `trained` (it trained new runs: the note may not
     hold for them). A step group's description (BEYOND_TEXT) and its steps' notes make its own section."""
-    import pandas as pd
-
     shown_argv = _shown_argv(argv)
     cmd = "diloco reproduce" + (" " + shlex.join(shown_argv) if shown_argv else "")
     # steps of earlier invocations (e.g. the quick job's, when this is --full) stay listed
@@ -177,27 +204,7 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
              "included), not the time of this invocation, which skips finished runs.", "",
              _md([{"step": name, "made by": f"`{v['made_by']}`", "command": f"`{v['command']}`", "runs": v["runs"],
                    "run seconds": v["run_seconds"]} for name, v in sorted(known.items())])]
-    sweeps: dict[str, tuple[str, str]] = {}  # sweep → (spec, root its runs were under)
-    counts: dict[str, str] = {}  # sweep → "(8 seeds, 64 runs; data order: …)"
-    runs_csv = out / "runs.csv"
-    if runs_csv.exists():
-        try:
-            df = pd.read_csv(runs_csv)
-            for sweep, g in df.groupby("sweep", sort=False):
-                k = g["seed"].nunique() if "seed" in g else 0
-                orders = g["data_order"].dropna().unique() if "data_order" in g else []
-                counts[sweep] = (f" ({k} seed{'s' * (k != 1)}, " if k else " (") + f"{len(g)} run{'s' * (len(g) != 1)}" + (
-                    f"; data order: {orders[0]}" if len(orders) == 1 else "") + ")"
-            for r in df.itertuples():
-                wd = Path(str(getattr(r, "workdir", "")))
-                where = str(wd.parent.parent) if wd.parts else str(root)
-                f = getattr(r, "sweep_file", "")
-                if not (isinstance(f, str) and f):  # older records: <stem>_<arg> → sweeps/<stem>.py:<arg>
-                    stem, _, arg = r.sweep.rpartition("_")
-                    f = f"sweeps/{stem}.py:{arg}" if stem and (REPO / "sweeps" / f"{stem}.py").exists() else ""
-                sweeps.setdefault(r.sweep, (f, where))
-        except (OSError, ValueError, AttributeError):
-            pass
+    sweeps, counts = recorded_sweeps(out, root)
     if sweeps:
         lines += ["", "## Sweeps in the records", "",
                   "Every sweep behind a table here (each run's exact command is in its `point.json`; `runs.csv` "
