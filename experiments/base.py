@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.layers_per_fragment = 0      # blocks per fragment (paper: 3); 0 with fragments=0 means P = 1
     c.pattern = "strided"          # strided | sequential
     c.embed_fragment = "first"     # where embeddings + final norm sync: first | last | own
-    c.codec = "none"               # none | bf16 | fp8_e4m3 | fp8_e5m2 | e3m0 | topk | dropout | dare
+    c.codec = "none"               # FORMATS (outer/codecs.py): none | bf16 | fp8_e4m3 | fp8_e5m2 | e3m0 | int2 | topk | dropout | dare
     c.codec_block_size = 256
     c.codec_rounding = "nearest"   # nearest | stochastic
     c.codec_keep_fraction = 1.0    # for topk / dropout / dare

@@ -150,12 +150,34 @@ def bad_references(text: str, where: str, root=REPO, idx: Index | None = None) -
     return bad
 
 
+LINK = re.compile(r"\]\(([^)#\s]*)#([^)\s]+)\)")
+
+
+def slugs(md: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings."""
+    out = set()
+    for h in re.findall(r"^#+ (.+)$", md, re.M):
+        out.add(re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-"))
+    return out
+
+
+def bad_anchors(doc: str) -> list[str]:
+    """Links `file.md#anchor` (or `#anchor`) of `doc` whose anchor is no heading of that file."""
+    bad = []
+    for target, anchor in LINK.findall((REPO / doc).read_text()):
+        path = (REPO / doc).parent / target if target else REPO / doc
+        if path.suffix == ".md" and path.exists() and anchor not in slugs(path.read_text()):
+            bad.append(f"{doc}: {target}#{anchor} (no such heading)")
+    return bad
+
+
 def test_every_reference_in_the_docs_resolves():
     bad = []
     for doc in DOCS:
         for i, line in enumerate((REPO / doc).read_text().splitlines(), 1):
             bad += bad_references(line, f"{doc}:{i}")
             bad += [f"{doc}:{i}: {m} (a developer machine's path)" for m in re.findall(r"(?<![\w.])/(?:work|home|Users)/\S+", line)]
+        bad += bad_anchors(doc)
     assert bad == [], f"{len(bad)} reference(s) that do not resolve:\n" + "\n".join(bad)
 
 
@@ -169,3 +191,5 @@ def test_a_wrong_reference_is_caught():
              "`outer.lr`", "`placement.step`", "`diloco.model.param_logical_axes`"]
     assert [bool(bad_references(r, "x")) for r in wrong] == [True] * len(wrong)
     assert [r for r in right if bad_references(r, "x")] == []
+    assert "code-map-read-15-first" in slugs((REPO / "README.md").read_text())  # how README's anchors are spelt
+    assert "code-map" not in slugs((REPO / "README.md").read_text())
