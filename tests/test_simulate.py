@@ -167,7 +167,7 @@ def test_paper_table4_reproduced(published_cells):
 
 
 def test_eager_updates_rows_cell_by_cell(published_cells):
-    """docs/simulator.md, [EU] Table 5 "inner" rows: 13 exact / 20 within one of 30. H = 100 matches [SD]
+    """results/simulator/README.md, [EU] Table 5 "inner" rows: 13 exact / 20 within one of 30. H = 100 matches [SD]
     cell for cell (13 of 15 exact, 15/15 within one); H = 30 is not reproduced: 1B and 10B need 2–6 grid
     steps more bandwidth in [EU] than in our model (every cell), 100B one step less (every cell)."""
     eu = [c for c in published_cells["eu"] if not c.method.startswith("streaming_eager")]
@@ -186,10 +186,10 @@ def test_eager_updates_rows_cell_by_cell(published_cells):
 
 
 def test_eager_updates_outer_rows_cell_by_cell(published_cells):
-    """docs/simulator.md, [EU] Table 5 "outer" (eager, τ = H) rows: 4 exact / 6 within one grid step of 30.
+    """results/simulator/README.md, [EU] Table 5 "outer" (eager, τ = H) rows: 4 exact / 6 within one grid step of 30.
     Only 10B at H = 30 is reproduced (4 exact, 5/5 within one) and 1B H = 100 at 50%; elsewhere [EU] needs
     less bandwidth than moving a round's FP4 traffic in a round (H = 100, 100B: 2–5 steps) or more (1B at
-    H = 30: 3–4 steps), which no single traffic model gives (docs/simulator.md, implied bits per parameter)."""
+    H = 30: 3–4 steps), which no single traffic model gives (results/simulator/README.md, implied bits per parameter)."""
     outer = [c for c in published_cells["eu"] if c.method.startswith("streaming_eager")]
     assert {c.method for c in outer} == {"streaming_eager_h30", "streaming_eager_h100"}
     assert paper.score(outer) == {"exact": 4, "within_one": 6, "total": 30}
@@ -216,7 +216,7 @@ def test_eager_link_bound_hand_computed():
 
 
 def test_scaling_laws_rows_cell_by_cell(published_cells):
-    """docs/simulator.md, [SL] Table 6: 32 exact / 73 within one of 75; every miss is on the + side (as
+    """results/simulator/README.md, [SL] Table 6: 32 exact / 73 within one of 75; every miss is on the + side (as
     if [SL] moved one grid step less traffic than [SD]); the two cells 2 steps off are Chinchilla-10B
     DiLoCo at 95% for H = 50 and H = 100."""
     sl = published_cells["sl"]
