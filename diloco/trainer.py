@@ -1,7 +1,7 @@
 """The Trainer: typed state, the jitted inner step and evaluation, on the plan's mesh.
 
   TrainState.params, .opt   replica-stacked (leading axis R; R = 1 for DP), on the `replica` mesh axis
-  TrainState.outer          DiLoCo family only: θᵍ, per-fragment Nesterov state, pending averaged Δ
+  TrainState.outer          DiLoCo family only (OuterState): θᵍ, outer-optimizer state, pending Δ, rule buffers
   TrainState.step           inner steps done
 
 Every inner step is one jitted, vmapped AdamW step per replica (`Trainer.inner_step`); the outer syncs
