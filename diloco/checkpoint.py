@@ -3,8 +3,9 @@ counters, the code that wrote it and a checksum of every array. The directory ma
 `gs://…` (an epath).
 
 The state (trainer.TrainState) is every replica's parameters and AdamW state, the step, and the outer
-state (outer/sync.OuterState): θᵍ, one Nesterov state per fragment, and per fragment the averaged Δ of
-its last send, which a fragment sent less than τ steps ago has not applied yet. Every exchange in flight
+state (outer/sync.OuterState): θᵍ, one outer-optimizer state per fragment, per fragment the averaged Δ
+of its last send (which a fragment sent less than τ steps ago has not applied yet), and the send rule's
+buffers (`extra`: error-feedback residuals, eager buffers). Every exchange in flight
 is landed before a save, so no bytes on the wire are ever part of a checkpoint.
 
 A checkpoint that cannot be restored is one of three things, and only the first is ever moved:
