@@ -8,11 +8,13 @@ libtpu tests with libtpu hidden (tests/conftest.py: DILOCO_TEST_HIDE_LIBTPU)."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
 import tomllib
+import venv
 
 import pytest
 
@@ -23,9 +25,11 @@ MARKS = {"default": "", "e2e": "@pytest.mark.slow", "multiprocess": "@pytest.mar
          "tpu": "@pytest.mark.slow\n@pytest.mark.tpu"}
 
 
-def scratch_project(tmp_path, body: dict[str, str]):
-    """A copy of .ci/run beside a pytest project with one test per tier; `body[tier]` is that test's body."""
-    (tmp_path / ".ci").mkdir()
+def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable):
+    """A copy of .ci/run beside a pytest project with one test per tier; `body[tier]` is that test's body.
+    Its bin/python runs `python` by its own path (a script, not a symlink: a venv's interpreter reached through
+    a link outside the venv has no pyvenv.cfg beside it and loses the venv's packages)."""
+    (tmp_path / ".ci").mkdir(parents=True)
     shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     (tmp_path / "pyproject.toml").write_text(textwrap.dedent(f"""
@@ -43,8 +47,18 @@ def scratch_project(tmp_path, body: dict[str, str]):
     bin_.mkdir()
     (bin_ / "pip").write_text("#!/bin/sh\necho \"stub pip $*\" >> \"$(dirname \"$0\")/pip.log\"\n")
     (bin_ / "pip").chmod(0o755)
-    (bin_ / "python").symlink_to(sys.executable)
+    (bin_ / "python").write_text(f"#!/bin/sh\nexec {shlex.quote(python)} \"$@\"\n")
+    (bin_ / "python").chmod(0o755)
     return tmp_path
+
+
+def venv_python(tmp_path) -> str:
+    """An interpreter inside a venv that has our packages: the running one when it is a venv, else a bare venv
+    over the running interpreter's packages (--system-site-packages, no pip: ~0.1 s)."""
+    if sys.prefix != sys.base_prefix:
+        return sys.executable
+    venv.create(tmp_path / "venv", system_site_packages=True, with_pip=False, symlinks=True)
+    return str(tmp_path / "venv" / "bin" / "python")
 
 
 def ci_run(project, **env) -> subprocess.CompletedProcess:
@@ -60,7 +74,12 @@ def summary(r) -> dict[str, str]:
 
 
 def test_every_tier_passing_passes_and_installs_from_the_lock(tmp_path):
-    p = scratch_project(tmp_path, {})
+    """Through a venv's interpreter, as a fresh clone's user runs it: every tier's test runs in that venv."""
+    python = venv_python(tmp_path)
+    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    p = scratch_project(tmp_path / "project", {t: f"assert __import__('sys').prefix == {prefix!r}" for t in TIERS},
+                        python)
     r = ci_run(p)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == "ci: passed"
