@@ -21,7 +21,11 @@ block's absmax (float32). Exponent code e ∈ 0..7 means magnitude 0 (e = 0) or 
 so the largest code maps exactly to the absmax and the smallest non-zero magnitude is s/64. The nibble
 is (sign << 3) | e; with m = n rounded up to even, byte i holds element i in its low nibble and element
 i + m/2 in its high nibble (the two halves, not neighbours: whole-lane arrays on TPU).
-Zero is always encoded with sign 0. Inputs must be finite.
+Zero is always encoded with sign 0. Inputs must be finite. Edge cases (bf16 aside, every scaled codec):
+a NaN or ±Inf in a block makes its scale non-finite and the whole block decodes to NaN (Inf's sign is lost);
+a block whose absmax is below float32's smallest normal (1.18e-38) decodes to zeros; an
+element exactly on an E3M0 or int2 rounding threshold lands there through x/s in float32,
+so which side of a tie it takes depends on that division's rounding (implementations differ at ties).
 
 Rounding is in the *linear* domain: "nearest" picks the closest representable magnitude (midpoints
 0.75·2^k, and 2^-7·s between 0 and the smallest level; ties go up), which minimises each element's
