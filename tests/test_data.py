@@ -4,14 +4,16 @@ host counts and resume are tests/test_store.py's."""
 
 import json
 import os
-import platform
 import subprocess
 import sys
+import sysconfig
+import venv
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from diloco.data import snapshot
 from diloco.data import TokenBatches, corpus_info, eval_batches, get_vocabulary, specs, store_for, tasks, validate_data
 from diloco.data.store import Store, read_manifest
 from diloco.errors import ConfigError
@@ -60,7 +62,30 @@ def test_stdlib_batches_and_info():
     text = "".join(decode("byte", r) for r in b)
     assert any(w in text for w in ("def ", "import ", "return", "class "))
     info = corpus_info("stdlib")
-    assert info["python_version"] == platform.python_version() and info["files"] > 100 and info["validation_files"] > 0
+    assert info["snapshot_sha256"] == snapshot.SHA256 and info["files"] == 734 and info["validation_files"] > 0
+
+
+STDLIB_BYTES = """import hashlib, os, sys
+from diloco.data import specs, store
+s = specs.parse_data("stdlib")
+h = hashlib.sha256()
+for f in s.files:
+    h.update(os.path.relpath(f, s.root).encode() + b"\\0" + open(f, "rb").read())
+print(h.hexdigest(), store.digest([store.source_identity(s, x) for x in specs.SPLITS]), s.root)"""
+
+
+def test_stdlib_corpus_is_the_same_bytes_from_any_interpreter(tmp_path):
+    """data=stdlib reads the shipped snapshot (diloco/data/snapshot.py), not the running interpreter's standard
+    library: a second interpreter (a bare venv over the base Python, its own empty cache) reads the same files,
+    bytes and source identity (the store fingerprint's input) as this one; the archive is the pinned one."""
+    assert snapshot.archive_sha256() == snapshot.SHA256
+    venv.create(tmp_path / "venv", system_site_packages=True, with_pip=False, symlinks=True)
+    got = [subprocess.run([python, "-c", STDLIB_BYTES], capture_output=True, text=True, check=True, cwd=tmp_path,
+                          env=dict(os.environ, DILOCO_CACHE=str(tmp_path / f"cache{i}"),
+                                   PYTHONPATH=str(Path(__file__).parents[1]))).stdout.split()
+           for i, python in enumerate((sys.executable, str(tmp_path / "venv" / "bin" / "python")))]
+    assert got[0][:2] == got[1][:2] and got[0][2] != got[1][2], got  # same bytes, two unpacked copies
+    assert not got[0][2].startswith(sysconfig.get_paths()["stdlib"])
 
 
 def test_stdlib_byte_fast_path_matches_seqio_task(monkeypatch):

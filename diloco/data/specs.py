@@ -9,8 +9,6 @@ import gzip
 import hashlib
 import json
 import os
-import platform
-import sysconfig
 from pathlib import Path
 
 from diloco.errors import ConfigError
@@ -19,8 +17,6 @@ SPECS = "stdlib | c4 | c4:<prepared tfds dir> | dolma | dolma:<jsonl glob> | jso
 VOCABS = "byte | sentencepiece:<path to .model>"
 SPLITS = ("train", "validation")
 VAL_PER_MILLE = 20  # file/hash-split corpora: ~2% of documents go to "validation"
-# stdlib corpus: skip third-party code and the (huge, machine-generated-heavy) test suites.
-STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 SHARD_BYTES = 1 << 20  # stdlib/text corpora: ~1 MiB of source text per shard
 
 
@@ -68,12 +64,12 @@ def num_shards(spec: Spec, split: str) -> int:
 
 
 def stdlib_files() -> tuple[str, tuple[str, ...]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS)
-        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
-    return str(root), tuple(sorted(files))
+    """The `stdlib` corpus: the shipped snapshot (data/snapshot.py), unpacked once into the cache; not this
+    interpreter's own standard library, which differs per Python build."""
+    from diloco.data import snapshot
+
+    root = snapshot.root(cache_dir())
+    return str(root), snapshot.python_files(root)
 
 
 def _glob(field: str, pattern: str) -> tuple[str, ...]:
@@ -260,6 +256,8 @@ def corpus_info(data: str, data_dir: str | None = None) -> dict:
         info |= {"split_rule": f"validation = files with md5(relative path) % 1000 < {VAL_PER_MILLE}",
                  "validation_files": len(file_split(spec, "validation"))}
     if spec.kind == "stdlib":
-        info |= {"python_version": platform.python_version(), "python_implementation": platform.python_implementation(),
-                 "stdlib_dir": spec.root, "excluded_dirs": sorted(STDLIB_SKIP_DIRS)}
+        from diloco.data import snapshot
+
+        info |= {"snapshot": snapshot.NAME, "snapshot_sha256": snapshot.SHA256, "license": "PSF-2.0",
+                 "excluded_dirs": sorted(snapshot.SKIP_DIRS)}
     return info

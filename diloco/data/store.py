@@ -75,10 +75,10 @@ def source_identity(spec: specs.Spec, split: str) -> dict:
            "file_list_sha256": digest(listing)}
     if spec.kind == "jsonl":
         out["split_rule"] = f"validation = documents with farmhash(text) % 1000 < {specs.VAL_PER_MILLE}"
-    elif spec.kind == "stdlib":
-        import platform
+    elif spec.kind == "stdlib":  # the shipped snapshot's archive (data/snapshot.py), not this interpreter's
+        from diloco.data import snapshot
 
-        out["python_version"] = platform.python_version()
+        out["snapshot_sha256"] = snapshot.SHA256
     return out
 
 
