@@ -458,6 +458,10 @@ def main(argv: list[str]) -> int:
             if not eq or not k:
                 raise ConfigError("--set", f"{s!r} must look like KEY=VALUE, e.g. --set steps=50")
             extra.append(f"--config.{k.removeprefix('--config.')}={v}")
+        if args.only and not any(args.only in p["name"] for p in sweep["points"]):
+            names = ", ".join(p["name"] for p in sweep["points"][:6]) + (", …" if len(sweep["points"]) > 6 else "")
+            raise ConfigError("--only", f"{args.only!r} matches no point of {sweep['name']} ({names}); give part "
+                              "of a point's folder name")
         if args.launch == "tpu":
             return launch_tpu(sweep, args, extra, argv)
         if args.dry_run:
@@ -476,7 +480,13 @@ def main(argv: list[str]) -> int:
     if args.worker_name:
         sweep = {**sweep, "label": f"{sweep['name']} {args.worker_name}",
                  "started": Path(args.points_file).stat().st_mtime - 1}
-    results = run_sweep(sweep, args.root, args.workers, extra, args.only, in_process=args.in_process)
+    try:
+        results = run_sweep(sweep, args.root, args.workers, extra, args.only, in_process=args.in_process)
+    except KeyboardInterrupt:
+        if not args.worker_name:
+            print("diloco sweep: interrupted; rerun the same command to resume (finished points are kept, an "
+                  "interrupted one resumes from its checkpoint)", file=sys.stderr)
+        return 130
     if args.worker_name:  # a pool worker: the parent prints the table
         return 0
     print(format_table(results))

@@ -76,6 +76,22 @@ def test_dry_run_prints_exact_commands(tmp_path, capsys):
     assert lines[1].endswith("# done")
 
 
+def test_only_matching_nothing_and_ctrl_c_are_one_line(tmp_path, capsys, monkeypatch):
+    """`--only` that selects no point is refused (exit 2) before anything runs; Ctrl-C during a sweep exits
+    130 saying how to resume, with no traceback."""
+    f = _write_sweep(tmp_path, 'product(tau=[1, 2])')
+    assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root"), "--only", "tau=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["diloco sweep: bad input: --only: 'tau=3' matches no point of t (tau=1, tau=2); give part of a "
+                   "point's folder name"], err
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sw, "run_sweep", interrupted)
+    assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root")]) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+
+
 # `--launch tpu` (checks before billing, the bundle, the scripts) is tested in tests/test_tpu_launch.py.
 
 
