@@ -511,3 +511,13 @@ def test_diloco_eval_says_which_params_it_scored(streaming_in_flight, data, caps
     assert cli.main(["--workdir", str(wd), "--params", "replica:2", "--tasks", "piqa", "--data_dir", str(data)]) == 2
     err = capsys.readouterr().err
     assert "--params" in err and "replica:0" in err and "replica:1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_of_a_missing_run_says_the_run_is_missing(tmp_path, capsys):
+    """The run is checked before its eval data: a folder with no run says so, not that hellaswag is missing."""
+    from diloco.eval import cli
+
+    assert cli.main(["--workdir", str(tmp_path / "nope"), "--data_dir", str(tmp_path / "nodata")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"diloco eval: --workdir {tmp_path / 'nope'}: no run there (no config.json); give the --workdir "
+                   "of a `diloco train` run"], err

@@ -63,6 +63,11 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:
         names = benchmarks.parse_benchmarks(args.tasks)
+        from diloco import rundir
+
+        if not (rundir.RunDir(args.workdir) / "config.json").exists():  # the run first: then its eval data
+            raise FileNotFoundError(f"--workdir {args.workdir}: no run there (no config.json); give the --workdir "
+                                    "of a `diloco train` run")
         for t in names:  # data problems before the (slow) checkpoint restore
             benchmarks.load_items(t, args.data_dir, args.limit)
         run = load_run(args.workdir, args.params)
