@@ -11,10 +11,8 @@ from pathlib import Path
 import ml_collections
 
 from diloco.errors import ConfigError
-from diloco.outer.methods import METHODS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def repo_path(path: str) -> Path:
@@ -154,59 +152,32 @@ def flatten(cfg, prefix: str = "") -> dict:
     return out
 
 
-def _one_of(cfg, field: str, valid) -> None:
-    v = get_field(cfg, field)
-    if v not in valid:
-        raise ConfigError(field, f"{v!r} is not one of {tuple(valid)}")
-
-
 def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_devices: int | None = None) -> None:
     """Raise ConfigError on the first bad field. Cheap: no compilation, no data reading."""
+    from diloco import schema
     from diloco.model.scales import SCALES
 
     unknown = sorted(set(flatten(cfg)) - _base_keys())
     if unknown:
         raise ConfigError(unknown[0], f"unknown config key(s) {unknown}; valid keys are those of experiments/base.py")
-    _one_of(cfg, "method", METHODS)
-    _one_of(cfg, "scale", SCALES)
-    _one_of(cfg, "model.dtype", DTYPES)
-    _one_of(cfg, "dp_grad_dtype", DTYPES)
-    for f in ("seq_len", "batch_size", "steps", "replicas", "H", "log_every", "eval_every",
-              "checkpoint_every", "eval_batches", "keep_checkpoints"):
-        if int(cfg[f]) < 1:
-            raise ConfigError(f, f"{cfg[f]} must be ≥ 1")
+    schema.check(flatten(cfg))  # every key's type and range (diloco/schema.py); NaN and inf refused
     if cfg.seq_len > SCALES[cfg.scale].max_seq_len:
         raise ConfigError("seq_len", f"{cfg.seq_len} exceeds scale {cfg.scale!r}'s max_seq_len="
                           f"{SCALES[cfg.scale].max_seq_len}; use seq_len ≤ {SCALES[cfg.scale].max_seq_len}")
     if cfg.batch_size % cfg.replicas:
         raise ConfigError("batch_size", f"global batch {cfg.batch_size} is not divisible by replicas={cfg.replicas}")
-    if not 0.0 <= cfg.alpha <= 1.0:
-        raise ConfigError("alpha", f"{cfg.alpha} must be in [0, 1]")
-    if cfg.outer.lr <= 0 or not 0 <= cfg.outer.momentum < 1:
-        raise ConfigError("outer", f"need outer.lr > 0 and 0 ≤ outer.momentum < 1 (got {cfg.outer.lr}, {cfg.outer.momentum})")
     _validate_outer_name(cfg)
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError("optimizer.lr", f"{cfg.optimizer.lr} must be > 0")
-    _one_of(cfg, "model.remat_policy", ("auto", "none", "full", "save_dots"))
-    _one_of(cfg, "model.attention", ("auto", "xla", "dot_product", "cudnn", "splash"))
     from diloco.model.transformer import SPLASH_BLOCK
 
     if cfg.model.attention == "splash" and cfg.seq_len % SPLASH_BLOCK:
         raise ConfigError("model.attention", f"splash tiles the sequence by {SPLASH_BLOCK}; seq_len={cfg.seq_len} "
                           "is not a multiple (use a multiple, or attention=xla)")
-    if str(cfg.model.get("scan", "auto")).lower() not in ("auto", "true", "false", "1", "0"):
-        raise ConfigError("model.scan", f"{cfg.model.scan!r} is not one of auto, true, false")
-    _one_of(cfg, "eval_drain", ("final", "every"))
-    _one_of(cfg, "exchange", ("auto", "blocking", "in_step"))
-    _one_of(cfg, "faults.nan_policy", ("stop", "skip"))
     _validate_faults(cfg)
     if cfg.method != "dp":
         from diloco.outer.codecs import codec_from_config
-        from diloco.outer.fragments import PATTERNS
         from diloco.outer.methods import num_fragments
         from diloco.outer.schedule import make_schedule
 
-        _one_of(cfg, "pattern", PATTERNS)
         if cfg.method == "diloco" and (cfg.fragments > 1 or cfg.layers_per_fragment or cfg.tau or cfg.replica_tau):
             raise ConfigError("method", "diloco is P=1, tau=0; for fragments or overlap use method=streaming")
         P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
@@ -227,6 +198,7 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
             raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the "
                               f"{data_axis * fsdp_axis} devices of the data×fsdp axes ({n_dev} devices); "
                               f"use a multiple of {data_axis * fsdp_axis}")
+    schema.cross(cfg)
     if cfg.downstream.tasks:
         _validate_downstream(cfg, check_data)
     if check_data:
@@ -276,8 +248,6 @@ def _validate_downstream(cfg, check_data: bool) -> None:
         names = B.parse_benchmarks(cfg.downstream.tasks)
     except ValueError as e:
         raise ConfigError("downstream.tasks", str(e)) from None
-    if cfg.downstream.every < 0 or cfg.downstream.limit < 0:
-        raise ConfigError("downstream", f"every={cfg.downstream.every} and limit={cfg.downstream.limit} must be ≥ 0")
     for name in names if check_data else ():
         try:
             B.load_docs(name, cfg.downstream.data_dir or None)
@@ -287,8 +257,6 @@ def _validate_downstream(cfg, check_data: bool) -> None:
 
 def _validate_faults(cfg) -> None:
     f, R = cfg.faults, 1 if cfg.method == "dp" else cfg.replicas
-    _one_of(cfg, "faults.nan_target", ("loss", "outer"))
-    _one_of(cfg, "faults.nan_value", ("nan", "inf"))
     for k in ("miss_sync_step", "restart_step", "nan_step"):
         if not 0 <= f[k] <= cfg.steps:
             raise ConfigError(f"faults.{k}", f"{f[k]} must be a step in 1..steps={cfg.steps} (0: off)")

@@ -58,36 +58,30 @@ BAD = [
     Bad("group_not_value", {"optimizer": 1}, "optimizer", r"is a group of keys, not a value; set one of optimizer\.\{.*lr,"),
     Bad("wrong_type", {"steps": "ten"}, "steps", r"^steps: 'ten' is not an integer; e.g. --config.steps=300$"),
     Bad("non_boolean", {"model.remat": "maybe"}, "model.remat", r"'maybe' is not a boolean; use true or false"),
-    Bad("zero_steps", {"steps": 0}, "steps", r"0 must be ≥ 1"),
-    Bad("zero_H", {"H": 0}, "H", r"0 must be ≥ 1"),
+    Bad("zero_steps", {"steps": 0}, "steps", r"0 is out of range; use a value ≥ 1"),
     Bad("unknown_scale", {"scale": "70B"}, "scale", r"'70B' is not one of"),
     Bad("seq_len_over_scale", {"seq_len": 4096}, "seq_len", r"4096 exceeds scale 'tiny'"),
     Bad("batch_not_divisible", {"batch_size": 5}, "batch_size", r"global batch 5 is not divisible by replicas=2"),
-    Bad("alpha_range", {"alpha": 1.5}, "alpha", r"1.5 must be in \[0, 1\]"),
+    Bad("alpha_range", {"alpha": 1.5}, "alpha", r"1.5 is out of range; use a value in \[0, 1\]"),
     Bad("tau_not_below_H", {"tau": 30, "H": 30}, "tau", r"tau=30 must satisfy 0 ≤ tau < H=30"),
     Bad("replica_tau_not_ints", {"replica_tau": "1,x"}, "replica_tau", r"comma-separated integers"),
     Bad("replica_tau_count", {"replica_tau": "1,2,3"}, "replica_tau", r"3 values given for replicas=2"),
     Bad("codec", {"codec": "fp3"}, "codec", r"fp3"),
     Bad("pattern", {"pattern": "random"}, "pattern", r"'random' is not one of"),
     Bad("too_many_fragments", {"fragments": 9, "layers_per_fragment": 0}, "fragments", r"9"),
-    Bad("outer_lr", {"outer.lr": 0.0}, "outer", r"need outer.lr > 0"),
-    Bad("inner_lr", {"optimizer.lr": -1.0}, "optimizer.lr", r"-1.0 must be > 0"),
+    Bad("outer_lr", {"outer.lr": 0.0}, "outer.lr", r"0.0 is out of range; use a value > 0"),
+    Bad("outer_name", {"outer.name": "muon"}, "outer.name", r"muon needs the outer state per parameter matrix"),
+    Bad("inner_lr", {"optimizer.lr": -1.0}, "optimizer.lr", r"-1.0 is out of range; use a value > 0"),
     Bad("dtype", {"model.dtype": "int8"}, "model.dtype", r"'int8' is not one of"),
     Bad("diloco_with_tau", {"tau": 1}, "method", r"diloco is P=1, tau=0", method="diloco"),
     Bad("spec_arg", {}, "config", r"experiments/toy.py:stream: choose dp, diloco or streaming", method="stream"),
-    Bad("zero_replicas", {"replicas": 0}, "replicas", r"0 must be ≥ 1"),
-    Bad("zero_log_every", {"log_every": 0}, "log_every", r"0 must be ≥ 1"),
-    Bad("zero_eval_every", {"eval_every": 0}, "eval_every", r"0 must be ≥ 1"),
-    Bad("zero_checkpoint_every", {"checkpoint_every": 0}, "checkpoint_every", r"0 must be ≥ 1"),
-    Bad("zero_eval_batches", {"eval_batches": 0}, "eval_batches", r"0 must be ≥ 1"),
-    Bad("zero_keep_checkpoints", {"keep_checkpoints": 0}, "keep_checkpoints", r"0 must be ≥ 1"),
     Bad("retired_data_readers", {"data_readers": 2}, "data_readers", r"unknown config key"),  # gone with #30
     Bad("dp_grad_dtype", {"dp_grad_dtype": "int8"}, "dp_grad_dtype", r"'int8' is not one of", method="dp"),
     Bad("remat_policy", {"model.remat_policy": "some"}, "model.remat_policy", r"'some' is not one of"),
     Bad("splash_seq_len", {"model.attention": "splash"}, "model.attention",
         r"splash tiles the sequence by 128; seq_len=32 is not a multiple"),
     Bad("scan", {"model.scan": "maybe"}, "model.scan", r"'maybe' is not one of auto, true, false"),
-    Bad("eval_drain", {"eval_drain": "never"}, "eval_drain", r"'never' is not one of \('final', 'every'\)"),
+    Bad("eval_drain", {"eval_drain": "never"}, "eval_drain", r"'never' is not one of final, every"),
     Bad("in_step_without_tau", {"exchange": "in_step", "tau": 0}, "exchange", r"needs tau ≥ 1 \(got tau=0\)"),
     Bad("mesh_rules", {"mesh.rules": "batch"}, "mesh.rules", r"'batch' is not name=axis"),
     Bad("mesh_both_remaining", {"mesh.data": -1, "mesh.fsdp": -1}, "mesh.fsdp",
@@ -105,7 +99,7 @@ BAD = [
     Bad("nan_step_past_end", {"faults.nan_step": 999}, "faults.nan_step", r"999 must be a step in 1..steps=6"),
     Bad("nan_outer_on_dp", {"faults.nan_step": 2, "faults.nan_target": "outer"}, "faults.nan_target",
         r"'outer' needs method diloco or streaming", method="dp"),
-    Bad("nan_value", {"faults.nan_value": "zero"}, "faults.nan_value", r"'zero' is not one of \('nan', 'inf'\)"),
+    Bad("nan_value", {"faults.nan_value": "zero"}, "faults.nan_value", r"'zero' is not one of nan, inf"),
     Bad("miss_sync_without_step", {"faults.miss_sync_replica": 1}, "faults.miss_sync_step",
         r"set faults.miss_sync_step ≥ 1"),
     Bad("restart_on_dp", {"faults.restart_replica": 0, "faults.restart_step": 2}, "faults.restart_replica",
@@ -131,8 +125,7 @@ BAD = [
         r"the 'validation' split of .* is empty"),
     # downstream evaluation (runs late in a run, so it is checked up front)
     Bad("eval_task_unknown", {"downstream.tasks": "hellaswag2"}, "downstream.tasks", r"unknown task\(s\) \['hellaswag2'\]"),
-    Bad("eval_every_negative", {"downstream.tasks": "piqa", "downstream.every": -1}, "downstream",
-        r"every=-1 and limit=0 must be ≥ 0"),
+    Bad("eval_every_negative", {"downstream.every": -1}, "downstream.every", r"-1 is out of range; use a value ≥ 0"),
     Bad("eval_data_missing", {"downstream.tasks": "piqa", "downstream.data_dir": "/nonexistent/eval"},
         "downstream.data_dir", r"piqa \(validation split\): no data under /nonexistent/eval"),
     Bad("eval_item_bad_label", lambda t: piqa_dir(t, [PIQA_OK, PIQA_OK], "0\n7\n"), "downstream.data_dir",
@@ -194,7 +187,7 @@ def test_every_field_the_validator_names_has_a_row():
     """The table is the validator's: each field diloco/config.py can reject is a row above (a new check
     without a row fails here), and the reading of the source found the checks (not an empty set)."""
     fields = validator_fields()
-    assert {"H", "steps", "keep_checkpoints", "mesh.fsdp", "mesh.data", "model.attention", "config"} <= fields
+    assert {"seq_len", "batch_size", "mesh.fsdp", "mesh.data", "model.attention", "config"} <= fields
     assert sorted(fields - {b.field for b in BAD}) == []
     assert len({b.id for b in BAD}) == len(BAD)
 

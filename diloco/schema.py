@@ -1,0 +1,163 @@
+"""Every config key's type and valid range or values, declared once, keyed like experiments/base.py.
+
+`check(cfg)` runs first in config.validate: no key of base.py goes unchecked (tests/test_schema.py fails
+on a key without a declaration). Adding a key: give it a line in DECLARED next to the others of its group.
+`cross(cfg)` holds the rules between keys that no single declaration can state."""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from diloco.errors import ConfigError
+
+INT_MAX = 2**31 - 1  # seeds, steps and sizes go through int32 arrays
+
+
+@dataclass(frozen=True)
+class Num:
+    """A finite int or float in [lo, hi]; `open_lo` / `open_hi` exclude the bound; `also`: extra allowed values."""
+    kind: type
+    lo: float = -INT_MAX
+    hi: float = INT_MAX
+    open_lo: bool = False
+    open_hi: bool = False
+    also: tuple = ()
+    fix: str = ""
+
+    def check(self, key: str, v) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.kind is int and not isinstance(v, int)):
+            raise ConfigError(key, f"{v!r} is not {'an integer' if self.kind is int else 'a number'}; {self.fix or self.range()}")
+        if v in self.also:
+            return
+        if not math.isfinite(v):
+            raise ConfigError(key, f"{v!r} is not finite; use a value {self.range()}")
+        if v < self.lo or v > self.hi or (self.open_lo and v == self.lo) or (self.open_hi and v == self.hi):
+            raise ConfigError(key, f"{v!r} is out of range; use a value {self.range()}" + (f" ({self.fix})" if self.fix else ""))
+
+    def range(self) -> str:
+        lo = "" if self.lo == -INT_MAX else f"{'(' if self.open_lo else '['}{self.lo:g}"
+        hi = "" if self.hi == INT_MAX else f"{self.hi:g}{')' if self.open_hi else ']'}"
+        text = (f"in {lo}, {hi}" if lo and hi else f"{'>' if self.open_lo else '≥'} {self.lo:g}" if lo
+                else f"{'<' if self.open_hi else '≤'} {self.hi:g}")
+        return text + "".join(f" or {a}" for a in self.also)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A value from `values` (a tuple, or a function returning one, for names defined by another module)."""
+    values: tuple | Callable[[], tuple]
+
+    def check(self, key: str, v) -> None:
+        valid = tuple(self.values() if callable(self.values) else self.values)
+        if isinstance(v, bool) or v not in valid:
+            raise ConfigError(key, f"{v!r} is not one of {', '.join(map(str, valid))}")
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string whose form a later check parses (data specs, paths, lists); `what` says where."""
+    what: str
+
+    def check(self, key: str, v) -> None:
+        if not isinstance(v, str):
+            raise ConfigError(key, f"{v!r} is not a string; {self.what}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    def check(self, key: str, v) -> None:
+        if not isinstance(v, bool):
+            raise ConfigError(key, f"{v!r} is not a boolean; use true or false")
+
+
+def _methods():
+    from diloco.outer.methods import METHODS
+    return METHODS
+
+
+def _scales():
+    from diloco.model.scales import SCALES
+    return tuple(SCALES)
+
+
+def _codecs():
+    from diloco.outer.codecs import ALL_NAMES
+    return ALL_NAMES
+
+
+def _patterns():
+    from diloco.outer.fragments import PATTERNS
+    return PATTERNS
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+POS, NONNEG, FRACTION = Num(int, 1), Num(int, 0), Num(float, 0.0, 1.0)
+PROB = Num(float, 0.0, 1.0, open_hi=True)  # momenta, Adam's b1 / b2
+STEP_OFF = Num(int, 0, fix="a step ≥ 1, or 0 for off")
+REPLICA_OFF = Num(int, -1, fix="a replica index, or -1 for off")
+
+DECLARED: dict[str, object] = {
+    "method": OneOf(_methods), "scale": OneOf(_scales),
+    "data": Text("e.g. stdlib, c4, jsonl:<glob>, tokens:<store> (diloco/data/specs.py)"),
+    "data_dir": Text("a TFDS data_dir or ''"), "vocab": Text("byte or sentencepiece:<path>"),
+    "seq_len": POS, "batch_size": POS, "steps": POS, "seed": NONNEG, "log_every": POS, "eval_every": POS,
+    "eval_batches": POS, "exchange": OneOf(("auto", "blocking", "in_step")), "eval_drain": OneOf(("final", "every")),
+    "checkpoint_every": POS, "keep_checkpoints": POS,
+    "replicas": POS, "H": POS, "tau": NONNEG, "replica_tau": Text("'' or one τ per replica: '0,1,…'"),
+    "alpha": FRACTION, "fragments": NONNEG, "layers_per_fragment": NONNEG, "pattern": OneOf(_patterns),
+    "embed_fragment": OneOf(("first", "last", "own")), "codec": OneOf(_codecs), "codec_block_size": POS,
+    "codec_rounding": OneOf(("nearest", "stochastic")), "codec_keep_fraction": Num(float, 0.0, 1.0, open_lo=True),
+    "dp_grad_dtype": OneOf(DTYPES), "freeze_non_syncing": Flag(),
+    "eager": OneOf(("off", "naive", "swap", "mix")), "eager_rounds": POS, "error_feedback": Flag(),
+    "outer.name": Text("an outer optimizer of diloco/outer/sync.py OUTER_OPTIMIZERS"),
+    "outer.lr": Num(float, 0.0, open_lo=True), "outer.momentum": PROB, "outer.b2": PROB,
+    "outer.eps": Num(float, 0.0, open_lo=True), "outer.weight_decay": Num(float, 0.0),
+    "optimizer.lr": Num(float, 0.0, open_lo=True), "optimizer.warmup_steps": NONNEG,
+    "optimizer.min_lr_ratio": FRACTION, "optimizer.weight_decay": Num(float, 0.0), "optimizer.b1": PROB,
+    "optimizer.b2": PROB, "optimizer.clip_norm": Num(float, 0.0, open_lo=True, fix="0 would zero every update"),
+    "model.dtype": OneOf(DTYPES), "model.remat": Flag(),
+    "model.scan": OneOf(("auto", "true", "false", "True", "False", "1", "0")),
+    "model.z_loss": Num(float, 0.0), "model.remat_policy": OneOf(("auto", "none", "full", "save_dots")),
+    "model.attention": OneOf(("auto", "xla", "dot_product", "cudnn", "splash")),
+    "mesh.replica_axis": Num(int, 0, fix="0 (auto) or a divisor of replicas"),
+    "mesh.data": Num(int, -1, fix="≥ 1, or -1 for the remaining devices"),
+    "mesh.fsdp": Num(int, -1, fix="≥ 1, -1 for the remaining devices, or 0 (auto)"),
+    "mesh.rules": Text("name=axis[+axis],… (diloco/config.py mesh_rules)"),
+    "downstream.tasks": Text("'' or task names (diloco eval --help)"), "downstream.every": NONNEG,
+    "downstream.limit": NONNEG, "downstream.data_dir": Text("a folder or ''"),
+    "faults.miss_sync_replica": REPLICA_OFF, "faults.miss_sync_step": STEP_OFF,
+    "faults.restart_replica": REPLICA_OFF, "faults.restart_step": STEP_OFF,
+    "faults.nan_policy": OneOf(("stop", "skip")), "faults.nan_step": STEP_OFF, "faults.nan_replica": NONNEG,
+    "faults.nan_target": OneOf(("loss", "outer")), "faults.nan_value": OneOf(("nan", "inf")),
+}
+
+
+def check(flat: dict) -> None:
+    """ConfigError on the first key of `flat` ({"a.b": value}) outside its declaration."""
+    for key, value in flat.items():
+        if key not in DECLARED:
+            raise ConfigError(key, f"unknown config key {key!r}; valid keys are those of experiments/base.py")
+        DECLARED[key].check(key, value)
+
+
+DP_IGNORES = {"codec": "none", "tau": 0, "replica_tau": "", "fragments": 0, "layers_per_fragment": 0}
+
+
+def cross(cfg, warn=lambda line: print(f"warning: {line}", file=sys.stderr)) -> None:
+    """The rules between keys: refused when the run would be wrong, warned when a setting is ignored."""
+    from diloco.outer.codecs import SPARSE_NAMES
+
+    if cfg.codec not in SPARSE_NAMES and cfg.codec_keep_fraction != 1.0:
+        raise ConfigError("codec_keep_fraction", f"{cfg.codec_keep_fraction} applies to {', '.join(SPARSE_NAMES)} "
+                          f"only; codec={cfg.codec} keeps every element: drop it or use one of those codecs")
+    if cfg.method == "dp":
+        for key in [k for k, default in DP_IGNORES.items() if cfg[k] != default]:
+            warn(f"{key}={cfg[key]!r} is ignored by method=dp (it syncs every step, uncompressed)")
+    elif cfg.H > cfg.steps:
+        warn(f"H={cfg.H} > steps={cfg.steps}: a fragment whose first sync falls after step {cfg.steps} never syncs, "
+             "so θᵍ stays at its initial value for it; lower H or raise steps")
+    d = cfg.downstream
+    if not d.tasks and (d.every or d.limit):
+        warn(f"downstream.every={d.every} / downstream.limit={d.limit} do nothing without downstream.tasks")
