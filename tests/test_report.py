@@ -148,6 +148,25 @@ def test_seed_rows_are_mean_and_sample_std_and_gaps_are_paired(tmp_path):
                         rel_tol=1e-9)
     md = (tmp_path / "out" / "table5_c4_scaling.md").read_text()
     assert "| 2.2 ± 0.2 " in md and "3.3333 ± 3.3333" in md
+    # the header says what the table is: trained on stdlib, not C4, n = 3 seeds (tokens/params = 2000/100)
+    assert md.splitlines()[2] == (
+        "What it is: corpus `stdlib` (not C4: the paper's C4 numbers are only beside ours) (store not recorded), "
+        "vocab byte, scale tiny, steps 200, H 10, α 0.5, codec e3m0 (DP aside), M 2, tokens per parameter 20; seeds n = 3 per "
+        "setting; interval: mean ± sample std over seeds, gaps paired by seed ± 2 SE."), md.splitlines()[2]
+    runs_csv = pd.read_csv(tmp_path / "out" / "runs.csv")
+    assert set(runs_csv.data) == {"stdlib"} and set(runs_csv.vocab) == {"byte"} and set(runs_csv.tokens_per_param) == {20}
+
+
+def test_any_sweep_gets_its_table_and_plot_beside_its_runs(tmp_path, capsys):
+    """A sweep of a new name (no known prefix) gets its ablation table, plot and loss curves; `diloco tables`
+    without --out writes them under --root, not into the repository's results/."""
+    root = tmp_path / "runs"
+    for tau in (1, 2):
+        _record(root, "my_question", f"tau={tau}", "experiments/c4_scaling.py:tiny,streaming_ovl_fp4_h30", 2 + tau,
+                sweep_file="sweeps/my_question.py", tau=tau)
+    assert report.main(["--root", str(root)]) == 0
+    assert {f"ablation_my_question.{e}" for e in ("csv", "md", "png")} <= {f.name for f in root.iterdir()}
+    assert (root / "loss_curves_my_question.png").exists()
     # 3.33 ± 3.33 is not a difference (|gap| must exceed its uncertainty); n < 2 never is
     assert report.is_difference(10 / 3, 2 * math.sqrt(25 / 3) / math.sqrt(3)) is False
     assert report.is_difference(5.0, 1.0) is True and report.is_difference(5.0, float("nan")) is None

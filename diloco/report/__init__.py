@@ -117,7 +117,7 @@ def build(root: str | Path, out: str | Path, quiet: bool = False) -> Built:
         if sweep.startswith(("c4_scaling", "replicas_h", "dolma")):
             plot_loss_curves(df[df.seed == 0] if "seed" in df else df, sweep, out / f"loss_curves_{sweep}.png")
             touched.append(out / f"loss_curves_{sweep}.png")
-        elif kind or sweep.startswith(("claims_", "tune_")):
+        else:  # every other sweep (its own name, say) gets its ablation table and plot
             t = ablation_table(g)
             old = out / f"ablation_{sweep}.csv"
             if old.exists():
@@ -185,7 +185,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="diloco tables", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="folder of sweep outputs (diloco sweep --root)")
-    ap.add_argument("--out", default="results", help="where the tables and plots go (default results/)")
+    ap.add_argument("--out", default=None, help="where the tables and plots go (default: --root itself; the "
+                    "repository's committed results/ only when named)")
     ap.add_argument("--eval-noise", nargs="+", metavar="WORKDIR",
                     help="instead: the eval-set noise vs eval_batches of these runs' final θᵍ (first two: their gap)")
     ap.add_argument("--eval-noise-batches", type=int, default=128)
@@ -195,7 +196,7 @@ def main(argv: list[str]) -> int:
         print(markdown(t), end="")
         return 0
     try:
-        built = build(args.root, args.out)
+        built = build(args.root, args.out or args.root)
     except ConfigError as e:
         print(f"diloco tables: bad input: {e}", file=sys.stderr)
         return 2

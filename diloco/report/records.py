@@ -21,9 +21,11 @@ PAPER_DIR = REPO / "results" / "paper"
 SPEC_ARGS = {"c4_scaling": ("scale", "label", "M"), "claims": ("scale", "label", "M"), "dolma_overtraining": ("scale", "tokens", "label", "M"),
              "ablate_compression": ("scale", "scheme"), "ablate_replicas": ("scale", "M", "fixed"),
              "ablate_H": ("scale", "variant"), "fedpart": ("scale", "freeze"), "eager": ("scale", "row", "base")}
-CONFIG_COLS = ("scale", "method", "H", "tau", "replica_tau", "alpha", "codec", "codec_keep_fraction",
+CONFIG_COLS = ("data", "vocab", "scale", "method", "H", "tau", "replica_tau", "alpha", "codec",
+               "codec_keep_fraction",
                "layers_per_fragment", "pattern", "replicas", "batch_size", "seq_len", "steps", "freeze_non_syncing")
-SUMMARY_COLS = ("final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "syncs", "params", "fragments",
+SUMMARY_COLS = ("data_store", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "syncs", "params",
+                "fragments",
                 "tokens", "wall_seconds")
 TASKS = ("hellaswag", "piqa", "arc_easy")
 
@@ -102,6 +104,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
         if summ:
             row.update({k: summ.get(k) for k in SUMMARY_COLS})
             row["H"] = summ.get("H")  # None for DP
+            row["tokens_per_param"] = summ["tokens"] / summ["params"] if summ.get("tokens") and summ.get("params") else None
             sizes = summ.get("fragment_sizes") or []
             row["largest_fragment_share"] = max(sizes) / sum(sizes) if sizes else 1.0
             for t in TASKS:

@@ -84,6 +84,35 @@ def provenance_text(pv: dict) -> str:
     return s
 
 
+def _values(runs: pd.DataFrame, col: str, default=None) -> str:
+    vals = runs[col].dropna().unique().tolist() if col in runs else []
+    vals = sorted({_cell(v) for v in vals} or ({_cell(default)} if default is not None else set()))
+    return "/".join(vals[:6]) + ("/…" if len(vals) > 6 else "") if vals else "—"
+
+
+def describe(runs: pd.DataFrame, title: str = "") -> str:
+    """The header line saying what a table is: corpus (name + store fingerprint), vocabulary, scale, steps,
+    H, α, codec, M, tokens per parameter, seeds n and the interval. Runs recorded before these columns
+    existed read the defaults they ran with (data=stdlib, vocab=byte)."""
+    done = runs[runs.status == "done"] if "status" in runs else runs
+    if done.empty:
+        return ""
+    data = _values(done, "data", "stdlib")
+    fp = _values(done, "data_store") if "data_store" in done and done.data_store.notna().any() else "not recorded"
+    tpp = (pd.to_numeric(done.get("tokens"), errors="coerce") / pd.to_numeric(done.get("params"), errors="coerce"))
+    tpp = "/".join(sorted({f"{v:.3g}" for v in tpp.dropna()})[:6]) or "—"
+    by = [c for c in ("sweep", "base_point") if c in done]
+    n = done.groupby(by).size() if by else pd.Series([len(done)])
+    n = f"{n.min()}" if n.min() == n.max() else f"{n.min()}–{n.max()}"
+    c4 = " (not C4: the paper's C4 numbers are only beside ours)" if "C4" in title and "c4" not in data else ""
+    outer = done[done.method != "dp"] if "method" in done and (done.method != "dp").any() else done  # DP has no H
+    return (f"What it is: corpus `{data}`{c4} (store {fp}), vocab {_values(done, 'vocab', 'byte')}, scale "
+            f"{_values(done, 'scale')}, steps {_values(done, 'steps')}, H {_values(outer, 'H')}, α "
+            f"{_values(outer, 'alpha')}, codec {_values(outer, 'codec')} (DP aside), M {_values(done, 'replicas')}, tokens per "
+            f"parameter {tpp}; seeds n = {n} per setting; interval: mean ± sample std over seeds, gaps paired by "
+            "seed ± 2 SE.")
+
+
 def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str = "",
                 key: tuple[str, ...] | None = None, runs: pd.DataFrame | None = None, root: Path | None = None,
                 prov: dict | None = None) -> dict:
@@ -97,8 +126,10 @@ def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str =
         df, kept = merge_committed(df, out / f"{name}.csv", key)
     pv = provenance(runs if runs is not None else pd.DataFrame(), root or Path("."), kept)
     src = f"\n\n{provenance_text(pv)}" if runs is not None else ""
+    what = describe(runs, title) if runs is not None and len(runs) else ""
+    head = f"# {title}\n\n" + (f"{what}\n\n" if what else "")
     write_if_changed(out / f"{name}.csv", df.to_csv(index=False), atomic_write_text)
-    write_if_changed(out / f"{name}.md", f"# {title}\n\n{notes.strip()}{src}\n\n{markdown(df)}", atomic_write_text)
+    write_if_changed(out / f"{name}.md", f"{head}{notes.strip()}{src}\n\n{markdown(df)}", atomic_write_text)
     if prov is not None:
         prov[name] = pv
     return pv
