@@ -28,6 +28,7 @@ from etils import epath
 RETIRED_KEYS = ("data_readers",)
 
 PathLike = str | os.PathLike | epath.Path
+HELD: dict[str, int] = {}  # run-folder locks this process holds: realpath of .run.lock -> descriptor
 
 
 def path(p: PathLike) -> epath.Path:
@@ -58,6 +59,8 @@ def require(p: PathLike, field: str) -> epath.Path:
     from diloco.errors import ConfigError
 
     s = os.fspath(p)
+    if not s.strip():
+        raise ConfigError(field, "'' is empty (it would write into the current folder); name a folder, e.g. runs/toy")
     if is_remote(s):
         scheme = s.split("://", 1)[0]
         if scheme not in SUPPORT:
@@ -199,8 +202,46 @@ class RunDir:
         return self.root / "ckpt"
 
     def make(self) -> None:
-        if self.primary or not is_remote(self.root):
-            self.root.mkdir(parents=True, exist_ok=True)
+        """Create the folder and, in the primary process of a local run, hold its lock (`.run.lock`, an
+        fcntl.flock the kernel releases when the process ends, SIGKILL included) for the run's life: a
+        second run on a busy folder is refused in one line naming the holder. Unusable folder: one line."""
+        from diloco.errors import ConfigError
+
+        try:
+            if self.primary or not is_remote(self.root):
+                self.root.mkdir(parents=True, exist_ok=True)
+            if self.primary and not is_remote(self.root):
+                self._lock()
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError("workdir", f"{self.root} (or a folder above it) is a file, not a folder; "
+                              "use another --workdir") from None
+        except PermissionError as e:
+            raise ConfigError("workdir", f"{self.root} is not writable ({e.strerror}); use a folder you can "
+                              "write to") from None
+        except OSError as e:  # EROFS, ENOSPC, …
+            raise ConfigError("workdir", f"{self.root}: {e.strerror}; use a writable folder with space") from None
+
+    def _lock(self) -> None:
+        import fcntl
+        import socket
+
+        from diloco.errors import ConfigError
+
+        key = os.path.realpath(self / ".run.lock")
+        if key in HELD:  # this process holds it already (a run of it that stopped before close())
+            self.lock_fd = HELD[key]
+            return
+        fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError("workdir", f"{self.root} is in use by {holder}; wait for that run to end (or stop "
+                              "it), or use another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self.lock_fd = HELD[key] = fd  # held until close() or the end of the process
 
     def claim(self, cfg_json: str) -> None:
         """Write config.json, or check that the folder holds a run of this same config."""
@@ -263,6 +304,10 @@ class RunDir:
                     self.tb.add_scalar(f"{k[:-len('_replicas')]}/replica_{m}", x, row["step"])
 
     def close(self) -> None:
+        if getattr(self, "lock_fd", None) is not None:
+            HELD.pop(os.path.realpath(self / ".run.lock"), None)
+            os.close(self.lock_fd)  # closing the descriptor releases the flock
+            self.lock_fd = None
         if self.tb is not None:
             self.tb.close()
             self.tb = None

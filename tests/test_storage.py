@@ -54,7 +54,9 @@ def test_run_folder_records_round_trip(root):
     run.write_summary({"final": 0.5})
     assert run.summary() == {"final": 0.5}
     names = sorted(p.name for p in run.root.iterdir() if p.name != "tb")  # TensorBoard: local folders only
-    assert names == ["config.json", "metrics.jsonl", "summary.json"]  # no temporary files left behind
+    lock = [".run.lock"] if "://" not in root else []  # the run-folder lock: local folders only
+    assert names == [*lock, "config.json", "metrics.jsonl", "summary.json"]  # no temporary files left behind
+    run.close()
     assert (run / "config.json").read_text() == json.dumps({"a": 1})
 
 
@@ -102,3 +104,43 @@ def test_train_cli_gs_workdir_without_support_is_one_line(monkeypatch, capsys, t
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "workdir" in err and "gcsfs" in err, err
     assert not (tmp_path / "gs:").exists()
+
+
+def test_a_busy_run_folder_is_refused_in_one_line_and_a_killed_holders_lock_is_free(tmp_path):
+    """A real second `diloco train` on a folder another process holds exits 2 naming the holder; after a
+    SIGKILL of the holder (no clean-up ran) the folder is free again: the kernel dropped the flock."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    wd, repo = tmp_path / "run", rundir.path(__file__).parent.parent
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from diloco.rundir import RunDir; "
+                               "RunDir(sys.argv[1]).make(); print('held', flush=True); time.sleep(600)", wd],
+                              stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--config", "experiments/toy.py:dp",
+                            "--workdir", wd, "--no_progress", "--config.steps=2"], capture_output=True, text=True,
+                           timeout=300, cwd=repo)
+        lines = [l for l in r.stderr.splitlines() if l.startswith("diloco")]
+        assert r.returncode == 2 and lines == [f"diloco train: bad input: workdir: {wd} is in use by pid {holder.pid} "
+                                               f"on {socket.gethostname()}; wait for that run to end (or stop it), "
+                                               "or use another --workdir"], r.stderr[-2000:]
+        assert not (wd / "metrics.jsonl").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    run = rundir.RunDir(wd)
+    run.make()  # the stale lock is taken over
+    assert (wd / ".run.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+    run.close()
+
+
+def test_a_workdir_that_is_empty_or_a_file_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="^workdir: '' is empty"):
+        rundir.require("", "workdir")
+    (tmp_path / "f").write_text("x")
+    for wd in (tmp_path / "f", tmp_path / "f" / "run"):
+        with pytest.raises(ConfigError, match=r"^workdir: .* is a file, not a folder; use another --workdir$"):
+            rundir.RunDir(wd).make()

@@ -209,6 +209,30 @@ def test_a_store_with_another_fingerprint_is_refused_on_resume_naming_both(st, c
         store.read_manifest(str(tmp_path / "nothing"))
 
 
+@pytest.mark.parametrize("damage", ["flip_bit", "zero", "truncate", "delete"])
+def test_a_damaged_part_is_refused_in_one_line_naming_it_and_a_garbage_manifest_too(st, tmp_path, damage):
+    """Each part's size and sha256 (in the manifest, under the fingerprint) are checked when it is first read."""
+    import shutil
+
+    copy = tmp_path / "s"
+    shutil.copytree(st, copy)
+    part = sorted((copy / "validation").glob("part-*.bin"))[0]
+    raw = bytearray(part.read_bytes())
+    if damage == "flip_bit":
+        raw[len(raw) // 2] ^= 1
+    part.write_bytes(bytes(len(raw)) if damage == "zero" else bytes(raw[:-2] if damage == "truncate" else raw))
+    if damage == "delete":
+        part.unlink()
+    s = store.Store(str(copy), "validation")
+    with pytest.raises(ConfigError) as e:
+        s.rows(range(s.num_rows(64)), 64)
+    assert str(e.value).startswith(f"data: token store part {part}") and "diloco data tokenize" in str(e.value)
+    assert "\n" not in str(e.value)
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"manifest.json is not valid JSON .*diloco data tokenize"):
+        store.Store(str(copy), "validation")
+
+
 def _spm_or_skip():
     p = REPO.parent / "shared" / "data" / "vocab"
     found = sorted(p.glob("*.model")) if p.is_dir() else []

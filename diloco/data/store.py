@@ -228,8 +228,12 @@ def read_manifest(store: str) -> dict:
         raise ConfigError("data", f"no token store at {os.fspath(store)!r} (no {MANIFEST}: missing, or its tokenize "
                           "did not finish); make it with `diloco data tokenize --data <corpus> --vocab <vocab> "
                           f"--out {os.fspath(store)}` (rerun the same command to finish an interrupted one)") from None
-    man = json.loads(text)
-    if man.get("format") != FORMAT or man.get("version") != VERSION:
+    try:
+        man = json.loads(text)
+    except ValueError as e:
+        raise ConfigError("data", f"{os.fspath(p)} is not valid JSON ({e.msg}, line {e.lineno}); delete the store "
+                          "and make it again with `diloco data tokenize … --out " + os.fspath(store) + "`") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
         raise ConfigError("data", f"{os.fspath(p)} is not a {FORMAT} v{VERSION} manifest")
     if fingerprint(man) != man.get("fingerprint"):
         raise ConfigError("data", f"{os.fspath(p)}: manifest content does not match its fingerprint {man.get('fingerprint')}")
@@ -284,7 +288,7 @@ class Store:
         if not self.remote:
             m = self._maps.get(part)
             if m is None:
-                m = self._maps[part] = np.memmap(os.fspath(self.files[part]), self.dtype, mode="r")
+                m = self._maps[part] = self._open(part)
             return m[a:b]
         if self._fs is None:  # one ranged GET per span (fsspec/gcsfs: what epath uses without TensorFlow)
             import fsspec
@@ -292,6 +296,21 @@ class Store:
             self._fs = fsspec.filesystem(self.path.split("://", 1)[0])
         k = self.dtype.itemsize
         return np.frombuffer(self._fs.cat_file(os.fspath(self.files[part]), start=a * k, end=b * k), self.dtype)
+
+    def _open(self, part: int) -> np.ndarray:
+        """Memory-map a local part after checking its size and sha256 against the manifest (once per part:
+        a corrupt, truncated, zeroed or missing part is refused in one line naming it and the fix)."""
+        f, want = os.fspath(self.files[part]), self.manifest["splits"][self.split]["parts"][part]
+        fix = (f"delete it and rerun the `diloco data tokenize … --out {self.path}` that made the store (it remakes "
+               "missing parts), or delete the store to have it made again")
+        try:
+            raw = open(f, "rb").read()
+        except OSError as e:
+            raise ConfigError("data", f"token store part {f}: {e.strerror}; {fix}") from None
+        if len(raw) != want["tokens"] * self.dtype.itemsize or hashlib.sha256(raw).hexdigest() != want["sha256"]:
+            raise ConfigError("data", f"token store part {f} does not match the manifest's size and sha256 (corrupt "
+                              f"or truncated); {fix}")
+        return np.memmap(f, self.dtype, mode="r")
 
     def row(self, r: int, seq_len: int) -> np.ndarray:
         a, b = r * seq_len, (r + 1) * seq_len
