@@ -355,3 +355,18 @@ def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:
     return json.dumps(cfg.to_dict(), indent=1, sort_keys=True)
+
+
+def check_points(pts: list[dict], extra: list[str]) -> None:
+    """Every sweep point's config (with --set's `extra`) loads and validates before the first runs (no
+    compile, no data): a bad point or a --set typo is refused once, in one line naming the point."""
+    bad = []
+    for pt in pts:
+        try:
+            load_config(pt["spec"], [*pt["overrides"], *extra], check_data=False)
+        except ConfigError as e:
+            bad.append((pt, e))
+    if bad:
+        (pt, e), more = bad[0], f" ({len(bad) - 1} more point(s) refused too)" if len(bad) > 1 else ""
+        raise ConfigError(e.field, f"point {pt['name']} (--config {pt['spec']} {' '.join(pt['overrides'])}): "
+                          f"{str(e).split(': ', 1)[-1]}{more}")

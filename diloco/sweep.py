@@ -28,10 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from diloco.config import REPO_ROOT, make_importable, repo_path
+from diloco.config import REPO_ROOT, check_points, make_importable, repo_path
 from diloco.errors import ConfigError
 from diloco.pointlock import LOCK, acquire_lock, release_lock
-
 
 
 # -- building points ---------------------------------------------------------------------------------
@@ -458,18 +457,19 @@ def main(argv: list[str]) -> int:
             if not eq or not k:
                 raise ConfigError("--set", f"{s!r} must look like KEY=VALUE, e.g. --set steps=50")
             extra.append(f"--config.{k.removeprefix('--config.')}={v}")
-        if args.only and not any(args.only in p["name"] for p in sweep["points"]):
+        pts = [p for p in sweep["points"] if args.only in p["name"]]
+        if not pts:
             names = ", ".join(p["name"] for p in sweep["points"][:6]) + (", …" if len(sweep["points"]) > 6 else "")
             raise ConfigError("--only", f"{args.only!r} matches no point of {sweep['name']} ({names}); give part "
                               "of a point's folder name")
+        if not args.worker_name:  # a pool worker's parent checked them
+            check_points(pts, extra)
         if args.launch == "tpu":
             return launch_tpu(sweep, args, extra, argv)
         if args.dry_run:
-            for pt in sweep["points"]:
-                if args.only in pt["name"]:
-                    wd = Path(args.root) / sweep["name"] / pt["name"]
-                    state = "  # done" if (wd / "summary.json").exists() else ""
-                    print(shown(train_command(pt, wd, extra)) + state)
+            for pt in pts:
+                wd = Path(args.root) / sweep["name"] / pt["name"]
+                print(shown(train_command(pt, wd, extra)) + ("  # done" if (wd / "summary.json").exists() else ""))
             return 0
     except ConfigError as e:
         print(f"diloco sweep: bad input: {e}", file=sys.stderr)
@@ -482,10 +482,8 @@ def main(argv: list[str]) -> int:
                  "started": Path(args.points_file).stat().st_mtime - 1}
     try:
         results = run_sweep(sweep, args.root, args.workers, extra, args.only, in_process=args.in_process)
-    except KeyboardInterrupt:
-        if not args.worker_name:
-            print("diloco sweep: interrupted; rerun the same command to resume (finished points are kept, an "
-                  "interrupted one resumes from its checkpoint)", file=sys.stderr)
+    except KeyboardInterrupt:  # finished points are kept, an interrupted one resumes from its checkpoint
+        print("" if args.worker_name else "diloco sweep: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     if args.worker_name:  # a pool worker: the parent prints the table
         return 0

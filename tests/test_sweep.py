@@ -85,6 +85,12 @@ def test_only_matching_nothing_and_ctrl_c_are_one_line(tmp_path, capsys, monkeyp
     assert err == ["diloco sweep: bad input: --only: 'tau=3' matches no point of t (tau=1, tau=2); give part of a "
                    "point's folder name"], err
 
+    # every point is validated before the first runs: a --set typo is one line, once, whatever the point count
+    assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root"), "--set", "stpes=5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "point tau=1" in err[0] and "stpes" in err[0] and "1 more point(s)" in err[0], err
+    assert not (tmp_path / "root").exists()
+
     def interrupted(*a, **k):
         raise KeyboardInterrupt
     monkeypatch.setattr(sw, "run_sweep", interrupted)
