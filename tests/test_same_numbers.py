@@ -69,13 +69,12 @@ EXPECTED = {
     "scan_streaming_tau1_e3m0_chips2": "3c331320688337891658614d28f6b16f9ceb3dbc65030e3ad8facf75276caa14",
 }
 # The same commit (1fae91b, the code of the table above) on a second machine class: AMD EPYC, AVX2 without
-# AVX-512, Python 3.11.7 built 2026-05-09. Then `stdlib` was the running interpreter's standard library, whose
-# _sysconfigdata names the build folder (/tmp/python-build.<date>…): the probe prints the same FINGERPRINT on
-# both machines, so the corpus bytes, not XLA:CPU's kernels, most likely moved the hashes (not proven: no
-# store of the first machine is kept, and the store fingerprint then hashed file names and sizes, not bytes).
-# Since #43 `stdlib` is a shipped snapshot of exactly this second machine's files (same tokens, part for part:
-# these hashes unchanged), so every machine reads these bytes; if the first machine now gives this table too,
-# the first table can go (one table); until CI has run, both stay.
+# AVX-512, Python 3.11.7 built 2026-05-09. The probe prints the same FINGERPRINT there and on the third
+# class below (AVX-512 EPYC, the same pyenv build, so the same stdlib bytes), yet every hash differs: XLA:CPU's
+# ISA-dependent kernels move the numbers and the probe does not see it. Whether the first machine's stdlib bytes
+# differed too is not known (no store of it is kept; the store fingerprint then hashed names and sizes only).
+# Since #43 `stdlib` is a shipped snapshot of the pyenv build's files (same tokens, part for part: the third
+# table is unchanged), so each class keeps its table and only the CPU picks one.
 EXPECTED_AVX2 = {
     "dp": "2afc65277c822e3f997983f98001954129e37cfd1c25b1607206f467c272802a",
     "diloco": "a1d93a7c67a42e488a9049bef055eddf2ef1bb28617f742e28ba906a64e53f45",
