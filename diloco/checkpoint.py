@@ -12,9 +12,12 @@ A checkpoint that cannot be restored is one of three things, and only the first 
   corrupt     checksum mismatch, truncated / missing / unparsable files → skipped, ckpt_corrupt/
   mismatch    written for another state (a leaf added, removed, reshaped or retyped) → CheckpointMismatch
   unreadable  the storage failed (OSError, a transient status) → retried with backoff, then CheckpointUnreadable
+An emptied or half-deleted step folder (no state/ or meta/) is corrupt. A save that runs out of space removes
+its temporary folder and raises DiskFull (exit 4); the previous checkpoints stay.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -37,6 +40,10 @@ class CheckpointUnreadable(CheckpointError):
 
 class NoUsableCheckpoint(CheckpointError):
     """Every checkpoint is corrupt."""
+
+
+class DiskFull(CheckpointError):
+    """No space left while saving: the partial checkpoint was removed, the previous ones kept."""
 
 
 class ChecksumMismatch(ValueError):
@@ -182,9 +189,21 @@ class Checkpointer:
 
         ocp = self._ocp
         meta = {**meta, "state_checksum": state_checksum(state), "code": code_version()}
-        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      meta=ocp.args.JsonSave(meta)), force=True)
-        self.mngr.wait_until_finished()
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                          meta=ocp.args.JsonSave(meta)), force=True)
+            self.mngr.wait_until_finished()
+        except Exception as e:
+            if not any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(x)
+                       for x in _chain(e)):
+                raise
+            for p in self.dir.iterdir():  # orbax's temporary folder of this save: it would keep the disk full
+                if p.name.startswith(f"{step}.") and "tmp" in p.name:
+                    p.rmtree()
+            self.mngr.reload()
+            raise DiskFull(f"no space left on the device of {self.dir} while saving the checkpoint of step {step}; "
+                           f"its partial files were removed, the previous checkpoints {self.steps()} are kept. Free "
+                           "space and run the same command to resume") from None
 
     def latest_meta(self) -> dict:
         """The sidecar of the newest checkpoint alone (no array read), {} when there is none or it cannot
@@ -226,6 +245,9 @@ class Checkpointer:
     def _read(self, step: int, abstract_state) -> tuple[int, Any, dict]:
         """One checkpoint, its failures classified (classify); a storage failure is tried again."""
         ocp = self._ocp
+        gone = [n for n in ("state", "meta") if not (self.dir / str(step) / n).exists()]
+        if gone:  # an emptied or half-deleted step folder: no storage failure to wait out
+            raise _Corrupt(f"the step folder has no {' or '.join(gone)}/")
         for attempt in range(self.RETRIES + 1):
             try:
                 self._check_structure(step, abstract_state)

@@ -74,6 +74,8 @@ CORRUPTIONS = {  # name -> what a crash, a full disk or a bad sector can do to t
     "truncated_sidecar": lambda d: os.truncate(d / "meta" / "metadata", 7),
     "every_file_empty": lambda d: [os.truncate(f, 0) for f in glob.glob(str(d / "**"), recursive=True)
                                    if os.path.isfile(f)],
+    "deleted_state": lambda d: shutil.rmtree(d / "state"),  # a half-deleted step
+    "empty_step_folder": lambda d: [shutil.rmtree(f) if f.is_dir() else f.unlink() for f in d.iterdir()],
 }
 
 
@@ -115,6 +117,40 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, kind):
     ck.close()
     _, got, msgs = restore(w, abstract)
     assert got[0] == 6 and float(got[1]["params"]["b"][0]) == 6.5 and not msgs
+
+
+def test_a_full_disk_removes_the_partial_checkpoint_keeps_the_last_good_one_and_resumes_after_freeing(tmp_path):
+    """A real full disk (a 600 KiB tmpfs, where this test may mount one), else ENOSPC raised by orbax's save."""
+    from diloco.checkpoint import DiskFull
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    real = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", mnt], capture_output=True).returncode == 0
+    try:
+        w, abstract = saved_run(mnt, steps=(3,))
+        ck = Checkpointer(w / "ckpt", 3)
+        if real:
+            (mnt / "fill").write_bytes(bytes(shutil.disk_usage(mnt).free - 8_000))
+        else:
+            def full(step, **_):
+                (w / "ckpt" / f"{step}.orbax-checkpoint-tmp").mkdir()
+                raise ValueError(f"RESOURCE_EXHAUSTED: {OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))}")
+            ck.mngr.save = full
+        with pytest.raises(DiskFull, match=r"no space left .* step 6; its partial files were removed, the previous "
+                                           r"checkpoints \[3\] are kept"):
+            ck.save(6, small_state(6.0), {"step": 6})
+        assert sorted(p.name for p in (w / "ckpt").iterdir()) == ["3"]
+        if real:
+            (mnt / "fill").unlink()
+        else:
+            del ck.mngr.save
+        ck.save(6, small_state(6.0), {"step": 6})
+        ck.close()
+        _, got, msgs = restore(w, abstract)
+        assert got[0] == 6 and float(got[1]["params"]["b"][0]) == 6.0 and not msgs
+    finally:
+        if real:
+            subprocess.run(["umount", mnt])
 
 
 def test_flipped_bytes_are_caught_by_the_checksum_not_by_orbax(tmp_path):
