@@ -577,3 +577,17 @@ def test_every_claim_definition_is_well_formed():
         if d.kind in ("gap_change", "recovered"):
             assert all(len(pair) == 2 for pair in d.compare), d
         assert (d.paper(p) if callable(d.paper) else d.paper), d
+
+
+def test_ablation_plot_labels_keep_the_swept_fragments_and_print_ints_as_ints():
+    """A sweep over fragments (the axis and the result column are one column) keeps it in its labels; a
+    swept int read back as a float prints as an int."""
+    from diloco.report.plots import ablation_axes, point_labels
+
+    t = pd.DataFrame({"scale": ["tiny"] * 2, "method": ["streaming"] * 2, "tau": [1.0, 1.0], "status": ["done"] * 2,
+                      "eval_loss": [2.0, 2.1], "fragments": [1, 2], "bytes_total": [10, 10]})
+    axes = ablation_axes(t)
+    assert axes == ["method", "tau", "fragments"]
+    assert point_labels(t, axes) == ["streaming, tau=1, fragments=1", "streaming, tau=1, fragments=2"]
+    assert "fragments" not in ablation_axes(t.assign(fragments=[3, 3]))
+

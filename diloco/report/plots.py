@@ -65,15 +65,32 @@ def replica_losses(m: pd.DataFrame) -> list[pd.Series]:
     return [pd.Series([v[i] if v and len(v) == n else math.nan for v in rows], index=m.index) for i in range(n)]
 
 
+def _num(v) -> str:
+    """2.0 -> '2' (a swept int read back as a float), other values as they are."""
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def ablation_axes(t: pd.DataFrame) -> list[str]:
+    """The swept columns of an ablation table: not a result column, except `fragments` when it varies (a sweep
+    over the fragment count P: its axis and the result column are one column)."""
+    results = {"scale", "status", "eval_loss", "vs_first_pct", "bytes_total", "n", "eval_loss_std",
+               "vs_first_pct_unc", "bytes_peak_per_sync"}
+    return [c for c in t.columns if c not in results and (c != "fragments" or t[c].nunique() > 1)]
+
+
+def point_labels(t: pd.DataFrame, axes: list[str]) -> list[str]:
+    """One bar label per row: `label`/`method` values bare, the other axes as axis=value, ints as ints."""
+    return [", ".join(str(v) if c in ("label", "method") else f"{c}={_num(v)}" for c, v in zip(axes, r)
+                      if not (isinstance(v, float) and math.isnan(v))) for r in t[axes].itertuples(index=False)]
+
+
 def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
     """x = the first numeric axis, one line per value of the other axes; bars when no axis is numeric."""
     t = t[(t.status == "done") & t.eval_loss.notna()]
     if t.empty:
         return
     plt = _plt()
-    axes = [c for c in t.columns if c not in ("scale", "status", "eval_loss", "vs_first_pct", "bytes_total", "n",
-                                               "eval_loss_std", "vs_first_pct_unc",
-                                               "bytes_peak_per_sync", "fragments")]
+    axes = ablation_axes(t)
     num = [c for c in axes if pd.to_numeric(t[c], errors="coerce").notna().all() and t[c].nunique() > 1]
     fig, ax = plt.subplots(figsize=(6, 4))
     if num:
@@ -83,7 +100,7 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
         for key, g in groups:
             g = g.assign(x_num=pd.to_numeric(g[x])).sort_values("x_num")
             ax.errorbar(g.x_num, g.eval_loss, yerr=g["eval_loss_std"] if "eval_loss_std" in g else None, fmt="o-",
-                        capsize=3, label=", ".join(f"{c}={k}" for c, k in
+                        capsize=3, label=", ".join(f"{c}={_num(k)}" for c, k in
                                                    zip(rest, key if isinstance(key, tuple) else (key,))) or None)
         ax.set_xlabel(x)
         xs = pd.to_numeric(t[x])
@@ -92,9 +109,7 @@ def plot_ablation(t: pd.DataFrame, sweep: str, path: Path) -> None:
         if rest:
             ax.legend(fontsize=8)
     else:
-        labels = [", ".join(str(v) if c in ("label", "method") else f"{c}={v}" for c, v in zip(axes, r)
-                            if not (isinstance(v, float) and math.isnan(v)))
-                  for r in t[axes].itertuples(index=False)] if axes else t.index
+        labels = point_labels(t, axes) if axes else t.index
         ax.bar(range(len(t)), t.eval_loss, color="tab:blue",
                yerr=t["eval_loss_std"].fillna(0) if "eval_loss_std" in t else None, capsize=3)
         ax.set_xticks(range(len(t)), labels, rotation=30, ha="right", fontsize=8)
