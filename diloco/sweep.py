@@ -357,6 +357,8 @@ def format_table(results: list[dict]) -> str:
                      f"{r.get('wall_seconds') or '':>7}  {r['point']}")
     counts = {s: sum(r["status"] == s for r in results) for s in ("done", "skipped", "stale", "failed", "locked")}
     lines.append(", ".join(f"{v} {k}" for k, v in counts.items() if v) or "nothing to run")
+    if counts["stale"]:  # finished, but with another config: not this sweep's numbers (diloco sweep exits 1)
+        lines[-1] += f"; {counts['stale']} stale point(s) hold another config's numbers: not this sweep's results"
     return "\n".join(lines)
 
 
@@ -488,4 +490,4 @@ def main(argv: list[str]) -> int:
     if args.worker_name:  # a pool worker: the parent prints the table
         return 0
     print(format_table(results))
-    return 1 if any(r["status"] == "failed" for r in results) else 0
+    return 1 if any(r["status"] in ("failed", "stale") for r in results) else 0
