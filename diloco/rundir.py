@@ -71,6 +71,19 @@ def require(p: PathLike, field: str) -> epath.Path:
     return path(s)
 
 
+def require_folder(p: PathLike, field: str) -> None:
+    """ConfigError naming `field` when the local path p, or a folder above it, exists as a file."""
+    from diloco.errors import ConfigError
+
+    if is_remote(os.fspath(p)):
+        return
+    q = os.path.abspath(os.fspath(p))
+    while not os.path.exists(q) and os.path.dirname(q) != q:
+        q = os.path.dirname(q)
+    if not os.path.isdir(q):
+        raise ConfigError(field, f"{q} is a file, not a folder; give a folder")
+
+
 def atomic_write_text(p: PathLike, text: str) -> None:
     p = path(p)
     if is_remote(p):  # an object store replaces a whole object at once

@@ -108,6 +108,8 @@ BAD = [
         "faults.restart_replica", r"2 must be -1 \(off\) or a replica index in 0..1"),
     # vocabularies and corpora
     Bad("vocab_unknown", {"vocab": "wordpiece"}, "vocab", r"unknown vocab 'wordpiece'"),
+    Bad("vocab_not_a_model", lambda t: {"vocab": f"sentencepiece:{write(t / 'junk.model', 'junk')}"}, "vocab",
+        r"is not a SentencePiece model"),
     Bad("vocab_missing_file", {"vocab": "sentencepiece:/nonexistent/spm.model"}, "vocab", r"not found"),
     Bad("data_unknown", {"data": "bogus"}, "data", r"unknown data spec 'bogus'"),
     Bad("data_missing_files", {"data": "jsonl:/nonexistent/*.jsonl"}, "data", r"matches no file"),
@@ -209,6 +211,18 @@ def test_command_line_bad_input_is_one_clear_line(args, expected, tmp_path, caps
     err = capsys.readouterr().err
     assert err == expected + "\n"
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_tables_out_a_file_and_eval_limit_negative_are_one_line(tmp_path, capsys):
+    from diloco.cli import run
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "runs").mkdir()
+    assert run(["tables", "--root", str(tmp_path / "runs"), "--out", str(tmp_path / "f" / "t")]) == 2
+    assert run(["eval", "--workdir", str(tmp_path), "--limit", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"diloco tables: bad input: --out: {tmp_path / 'f'} is a file, not a folder; give a folder",
+        "diloco eval: --limit -1: give a number of items ≥ 1, or leave it out for every item"]
 
 
 def test_a_spec_that_fails_to_import_names_the_file(tmp_path):

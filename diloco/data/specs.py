@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import glob
 import gzip
 import hashlib
@@ -149,8 +150,22 @@ def parse_vocab(vocab: str) -> tuple[str, str]:
         p = require(os.path.expanduser(arg), "vocab")  # local or gs://… (read by seqio through tf.io.gfile)
         if not p.is_file():
             raise ConfigError("vocab", f"sentencepiece model {os.fspath(p)!r} not found; give an existing .model file, e.g. 'sentencepiece:/path/to/sentencepiece.model'")
+        if "://" not in os.fspath(p):
+            check_sentencepiece(os.fspath(p), os.path.getmtime(p))
         return "sentencepiece", os.fspath(p)
     raise ConfigError("vocab", f"unknown vocab {vocab!r}; valid: {VOCABS}")
+
+
+@functools.lru_cache(maxsize=8)
+def check_sentencepiece(path: str, mtime: float) -> None:
+    """ConfigError('vocab') when the file at `path` does not load as a SentencePiece model (once per file version)."""
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as e:
+        raise ConfigError("vocab", f"{path!r} is not a SentencePiece model ({str(e).splitlines()[0][:80]}); give the "
+                          ".model file that spm_train wrote") from None
 
 
 def _first_line(path: str) -> bytes:

@@ -62,6 +62,8 @@ def main(argv: list[str]) -> int:
                     help="do not merge into summary.json (only drained results are ever merged)")
     args = ap.parse_args(argv)
     try:
+        if args.limit is not None and args.limit < 1:
+            raise ValueError(f"--limit {args.limit}: give a number of items ≥ 1, or leave it out for every item")
         names = benchmarks.parse_benchmarks(args.tasks)
         from diloco import rundir
 

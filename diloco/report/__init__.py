@@ -196,6 +196,9 @@ def main(argv: list[str]) -> int:
         print(markdown(t), end="")
         return 0
     try:
+        from diloco.rundir import require_folder
+
+        require_folder(args.out or args.root, "--out")
         built = build(args.root, args.out or args.root)
     except ConfigError as e:
         print(f"diloco tables: bad input: {e}", file=sys.stderr)
