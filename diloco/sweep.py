@@ -261,8 +261,11 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=console, flush=True))
     tag = sweep.get("label", sweep["name"])
 
+    took: list[float] = []  # seconds of the points this invocation finished: the ETA's rate
+
     def finished() -> str:
-        return f"{sum((root / sweep['name'] / p['name'] / 'summary.json').exists() for p in pts)}/{n} finished"
+        k = sum((root / sweep['name'] / p['name'] / 'summary.json').exists() for p in pts)
+        return f"{k}/{n} finished" + (f", ETA {eta(took, n - k, workers)}" if took and k < n else "")
 
     if "label" not in sweep:  # a pool worker: the parent said it
         say(f"[{tag}] {n} point(s) under {root / sweep['name']}, {workers} at a time; {finished()}")
@@ -273,11 +276,10 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
                       on_start=lambda: say(f"[{tag}] start   {pt['name']}  ({finished()})"))
         if r["status"] in ("locked", "skipped"):  # another worker has it / finished before: nothing changed here
             return r
+        took.extend([r["seconds"]] if r["status"] == "done" and r.get("seconds") else [])
         msg = f"[{tag}] {r['status']:<7} {pt['name']}"
-        if r.get("final_eval_loss") is not None:
-            msg += f"  eval_loss={r['final_eval_loss']:.4f}"
-        if r.get("seconds") is not None:
-            msg += f"  {r['seconds']:.0f} s"
+        msg += f"  eval_loss={r['final_eval_loss']:.4f}" if r.get("final_eval_loss") is not None else ""
+        msg += f"  {r['seconds']:.0f} s" if r.get("seconds") is not None else ""
         msg += f"  ({finished()})"
         if r["status"] == "failed":
             msg += f"  rc={r['returncode']}: {r['error']}  → {wd / 'failed.json'}"
@@ -291,6 +293,11 @@ def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: lis
         return [one(p) for p in pts]
     with ThreadPoolExecutor(max_workers=workers) as ex:
         return list(ex.map(one, pts))
+
+
+def eta(took: list[float], left: int, workers: int) -> str:
+    """h:mm:ss for `left` points at the mean time of those finished so far, `workers` at a time."""
+    return time.strftime("%H:%M:%S", time.gmtime(sum(took) / len(took) * -(-left // max(1, workers))))
 
 
 def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: list[str], quiet: bool,
@@ -350,8 +357,7 @@ def format_table(results: list[dict]) -> str:
     head = f"{'status':<8} {'eval_loss':>9} {'bytes_total':>12} {'peak/sync':>10} {'wall_s':>7}  point"
     lines = [head, "-" * len(head)]
     for r in results:
-        loss = r.get("final_eval_loss")
-        loss_s = "" if loss is None else f"{loss:.4f}"
+        loss_s = "" if r.get("final_eval_loss") is None else f"{r['final_eval_loss']:.4f}"
         lines.append(f"{r['status']:<8} {loss_s:>9} "
                      f"{r.get('bytes_exchanged_total') or '':>12} {r.get('bytes_peak_per_sync') or '':>10} "
                      f"{r.get('wall_seconds') or '':>7}  {r['point']}")

@@ -184,6 +184,7 @@ def test_status_is_one_line_per_change_with_counts_from_disk(tmp_path, capsys):
     assert re.fullmatch(r"\[t\] failed  tiny\+diloco_h30,tau=3  \d+ s  \(1/2 finished\)  rc=2: diloco train: bad input: "
                         r"method: diloco is P=1, tau=0; .*  → \S+/failed\.json", lines[2]), lines[2]
     assert len(lines) == 3
+    assert sw.eta([60.0, 120.0], 3, 2) == "00:03:00" and sw.eta([10.0], 1, 1) == "00:00:10"  # 2 rounds of 90 s
 
 
 def test_seeds_expand_every_point_seed_major_and_keep_seed_zero_folders(tmp_path):
