@@ -279,6 +279,9 @@ class Store:
         self.remote, self.threads = is_remote(self.path), int(threads or os.environ.get("DILOCO_STORE_THREADS", 64))
         self._maps: dict[int, np.ndarray] = {}
         self._pool = self._fs = None
+        if not self.remote:  # every local part checked now, before any row is read (1.7 GB/s of sha256 here)
+            for i in range(len(self.files)):
+                self._maps[i] = self._open(i)
 
     def num_rows(self, seq_len: int) -> int:
         return self.tokens // seq_len
@@ -298,16 +301,20 @@ class Store:
         return np.frombuffer(self._fs.cat_file(os.fspath(self.files[part]), start=a * k, end=b * k), self.dtype)
 
     def _open(self, part: int) -> np.ndarray:
-        """Memory-map a local part after checking its size and sha256 against the manifest (once per part:
-        a corrupt, truncated, zeroed or missing part is refused in one line naming it and the fix)."""
+        """Memory-map a local part after checking its size and sha256 against the manifest (every part when
+        the Store opens: a corrupt, truncated, zeroed or missing part is refused in one line naming it and the fix)."""
         f, want = os.fspath(self.files[part]), self.manifest["splits"][self.split]["parts"][part]
         fix = (f"delete it and rerun the `diloco data tokenize … --out {self.path}` that made the store (it remakes "
                "missing parts), or delete the store to have it made again")
+        h, size = hashlib.sha256(), 0
         try:
-            raw = open(f, "rb").read()
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 23):
+                    h.update(chunk)
+                    size += len(chunk)
         except OSError as e:
             raise ConfigError("data", f"token store part {f}: {e.strerror}; {fix}") from None
-        if len(raw) != want["tokens"] * self.dtype.itemsize or hashlib.sha256(raw).hexdigest() != want["sha256"]:
+        if size != want["tokens"] * self.dtype.itemsize or h.hexdigest() != want["sha256"]:
             raise ConfigError("data", f"token store part {f} does not match the manifest's size and sha256 (corrupt "
                               f"or truncated); {fix}")
         return np.memmap(f, self.dtype, mode="r")
