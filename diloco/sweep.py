@@ -408,22 +408,19 @@ def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="diloco sweep", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser("diloco sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep", help="sweeps/<name>.py[:arg], e.g. sweeps/tau_alpha.py:toy")
     ap.add_argument("--root", required=True, help="folder that gets <sweep name>/<point>/ workdirs")
     ap.add_argument("--workers", "-j", type=int, default=1, help="points run at once (processes)")
     ap.add_argument("--seeds", type=int, default=None,
                     help="run every point for seeds 0…K-1 (default: the sweep file's, else 1); finished seeds are kept")
     ap.add_argument("--only", default="", help="run only points whose folder name contains this")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra --config.KEY=VALUE for every point (changes the run: use a new --root)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra --config.KEY=VALUE for "
+                    "every point (changes the run: use a new --root)")
     ap.add_argument("--dry-run", "--dry_run", action="store_true", help="print the exact commands, run nothing")
-    ap.add_argument("--in-process", action="store_true",
-                    help="train points inside long-lived worker processes (-j of them) instead of one process "
-                         "per point: saves the start-up per point; a crash of a point still only fails that point "
-                         "unless it kills the interpreter")
+    ap.add_argument("--in-process", action="store_true", help="train points inside -j long-lived worker processes "
+                    "(saves the start-up per point; a crash still only fails its point unless it kills the interpreter)")
     ap.add_argument("--points-file", help=argparse.SUPPRESS)  # JSON list of point names (pool workers)
     ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--launch", choices=("local", "tpu"), default="local")
@@ -456,7 +453,11 @@ def main(argv: list[str]) -> int:
                      "build/tpu/<sweep>/<queued resource>; a non-empty folder that is not its bundle is refused)")
     tpu.add_argument("--ship", action="append", default=[], metavar="PATH",
                      help="an untracked file to ship too (the tree is the tracked files as on disk)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, args.seeds)
         extra = []
@@ -470,10 +471,10 @@ def main(argv: list[str]) -> int:
             names = ", ".join(p["name"] for p in sweep["points"][:6]) + (", …" if len(sweep["points"]) > 6 else "")
             raise ConfigError("--only", f"{args.only!r} matches no point of {sweep['name']} ({names}); give part "
                               "of a point's folder name")
+        if args.launch == "tpu":  # its preflight checks every point for the pod
+            return launch_tpu(sweep, args, extra, argv)
         if not args.worker_name:  # a pool worker's parent checked them
             check_points(pts, extra)
-        if args.launch == "tpu":
-            return launch_tpu(sweep, args, extra, argv)
         if args.dry_run:
             for pt in pts:
                 wd = Path(args.root) / sweep["name"] / pt["name"]
