@@ -222,9 +222,21 @@ def test_a_spec_outside_the_shipped_tree_is_refused(tmp_path, capsys, recorder):
     assert "config: point default: spec" in err and "not in the tree shipped to the workers" in err
 
 
+def _tiny_spm(path):
+    """A real (30-piece, character) SentencePiece model: the vocabulary check loads the file."""
+    import io
+
+    import sentencepiece
+
+    buf = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["the quick brown fox jumps over a lazy dog"] * 20),
+                                             model_writer=buf, vocab_size=30, model_type="char", minloglevel=2)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
 def _paper_point(tmp_path, scale: str, method: str) -> list[str]:
-    vocab = tmp_path / "spm.model"  # only its presence is checked before staging
-    vocab.write_bytes(b"not read")
+    vocab = _tiny_spm(tmp_path / "spm.model")
     f = _write_sweep(tmp_path, f"experiments/c4_scaling.py:{scale},{method}")
     return [str(f), "--root", "gs://bkt/r", "--set", "data=tokens:gs://bkt/stores/c4-t5", "--set",
             f"vocab=sentencepiece:{vocab}"]
@@ -660,8 +672,7 @@ def test_a_c4_pod_point_is_refused_before_the_bucket_or_the_cloud_is_touched(sta
     """A C4 point on a 2-host v5p-16, its TFDS dataset_info.json on gs:// (all the old preflight asked for): one
     line naming the field, the point and the store to make; the stand-in holds no queued resource, saw no gcloud
     call, and the bucket holds only the dataset (no probe, no bundle)."""
-    vocab = tmp_path / "spm.model"
-    vocab.write_bytes(b"sentencepiece model bytes")
+    vocab = _tiny_spm(tmp_path / "spm.model")
     gcs.write(gcs.url("tfds/c4/en/3.0.1/dataset_info.json"), '{"name": "c4"}')
     f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
     out = tmp_path / "bundle"
@@ -696,8 +707,7 @@ def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(s
     short for the point's seq_len; a gs:// vocabulary that is not there; a bucket that does not exist: one line
     each, no gcloud call, no bundle, nothing left in the bucket. With the store right everything passes, and
     `up` creates the queued resource and uploads the bundle with the staged vocabulary the points' argv name."""
-    vocab = tmp_path / "spm.model"
-    vocab.write_bytes(b"sentencepiece model bytes")
+    vocab = _tiny_spm(tmp_path / "spm.model")
     f = _write_sweep(tmp_path, "experiments/c4_scaling.py:35M,dp")
     out, url = tmp_path / "bundle", gcs.url("stores/c4-t5")
     argv = [str(f), "--root", gcs.url("runs"), *TPU, "--accelerator", "v5p-16", "--out", str(out),
