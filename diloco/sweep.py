@@ -31,6 +31,7 @@ from typing import Any
 from diloco.config import REPO_ROOT, check_points, make_importable, repo_path
 from diloco.errors import ConfigError
 from diloco.pointlock import LOCK, acquire_lock, release_lock
+from diloco.rundir import require_folder
 
 
 # -- building points ---------------------------------------------------------------------------------
@@ -459,8 +460,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        sweep = load_sweep(args.sweep, args.seeds)
-        extra = []
+        sweep, extra = load_sweep(args.sweep, args.seeds), []
+        require_folder(args.root, "--root")
         for s in args.set:
             k, eq, v = s.partition("=")
             if not eq or not k:
@@ -469,8 +470,7 @@ def main(argv: list[str]) -> int:
         pts = [p for p in sweep["points"] if args.only in p["name"]]
         if not pts:
             names = ", ".join(p["name"] for p in sweep["points"][:6]) + (", …" if len(sweep["points"]) > 6 else "")
-            raise ConfigError("--only", f"{args.only!r} matches no point of {sweep['name']} ({names}); give part "
-                              "of a point's folder name")
+            raise ConfigError("--only", f"{args.only!r} matches no point of {sweep['name']} ({names}); give part of a name")
         if args.launch == "tpu":  # its preflight checks every point for the pod
             return launch_tpu(sweep, args, extra, argv)
         if not args.worker_name:  # a pool worker's parent checked them

@@ -83,7 +83,10 @@ def test_only_matching_nothing_and_ctrl_c_are_one_line(tmp_path, capsys, monkeyp
     assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root"), "--only", "tau=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["diloco sweep: bad input: --only: 'tau=3' matches no point of t (tau=1, tau=2); give part of a "
-                   "point's folder name"], err
+                   "name"], err
+    (tmp_path / "afile").write_text("")  # a --root that is a file: one line, before any point is checked
+    assert sw.main([f"{f}:toy", "--root", str(tmp_path / "afile" / "r"), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == f"diloco sweep: bad input: --root: {tmp_path / 'afile'} is a file, not a folder; give a folder"
 
     # every point is validated before the first runs: a --set typo is one line, once, whatever the point count
     assert sw.main([f"{f}:toy", "--root", str(tmp_path / "root"), "--set", "stpes=5"]) == 2
