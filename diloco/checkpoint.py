@@ -25,6 +25,8 @@ import time
 import warnings
 from typing import Any
 
+from diloco.noise import native_stderr_held, silence_stderr
+
 
 class CheckpointError(Exception):
     """A checkpoint exists that this run cannot use; nothing was moved. The message says what to do."""
@@ -65,6 +67,11 @@ def _chain(e: BaseException):
         seen.add(id(e))
         yield e
         e = e.__cause__ or e.__context__
+
+
+def _disk_full(e: BaseException) -> bool:
+    return any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(x)
+               for x in _chain(e))
 
 
 def classify(e: BaseException) -> str:
@@ -189,14 +196,15 @@ class Checkpointer:
 
         ocp = self._ocp
         meta = {**meta, "state_checksum": state_checksum(state), "code": code_version()}
-        try:
-            self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                          meta=ocp.args.JsonSave(meta)), force=True)
-            self.mngr.wait_until_finished()
+        try:  # a full disk makes orbax/tensorstore print ~140 tracebacks: held, and dropped for our one line
+            with native_stderr_held(drop=_disk_full):
+                self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(meta)), force=True)
+                self.mngr.wait_until_finished()
         except Exception as e:
-            if not any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(x)
-                       for x in _chain(e)):
+            if not _disk_full(e):
                 raise
+            silence_stderr()  # the writers' threads keep failing while this unwinds; the caller restores it
             for p in self.dir.iterdir():  # orbax's temporary folder of this save: it would keep the disk full
                 if p.name.startswith(f"{step}.") and "tmp" in p.name:
                     p.rmtree()

@@ -41,3 +41,47 @@ def native_stderr_captured() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
 
+
+
+@contextlib.contextmanager
+def native_stderr_held(drop=lambda e: False) -> Iterator[None]:
+    """fd 2 → a temporary file for the duration, replayed on stderr afterwards unless the block raised an
+    exception for which drop(exception) is true (a failure the caller answers in one line of its own)."""
+    with _LOCK, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved, show = os.dup(2), True
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        except BaseException as e:
+            show = not drop(e)
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if show:
+                tmp.seek(0)
+                sys.stderr.write(tmp.read().decode(errors="replace"))
+
+
+_SILENCED: list[int] = []  # the saved fd 2 while silence_stderr holds it
+
+
+def silence_stderr() -> None:
+    """fd 2 → /dev/null until restore_stderr(): for the library threads still failing while a failure the
+    caller will answer in one line unwinds (a full disk's checkpoint writers)."""
+    if not _SILENCED:
+        sys.stderr.flush()
+        _SILENCED.append(os.dup(2))
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+
+def restore_stderr() -> None:
+    if _SILENCED:
+        sys.stderr.flush()
+        saved = _SILENCED.pop()
+        os.dup2(saved, 2)
+        os.close(saved)

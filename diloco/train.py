@@ -29,6 +29,7 @@ import numpy as np
 from diloco.checkpoint import CheckpointError
 from diloco.errors import ConfigError
 from diloco.faults import NumericalFault
+from diloco.noise import restore_stderr
 
 
 @dataclasses.dataclass
@@ -459,6 +460,7 @@ def main(argv: list[str]) -> int:
         print(f"diloco train: bad input: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:
+        restore_stderr()  # a full disk silenced the checkpoint writers' tracebacks (checkpoint.Checkpointer.save)
         print(f"diloco train: {e}", file=sys.stderr)
         return 4
     except NumericalFault as e:

@@ -310,6 +310,7 @@ def test_cli_writes_rows_and_merges_summary(tmp_path, data, tiny, monkeypatch):
     monkeypatch.setattr(cli, "load_run", lambda wd, which: cli.LoadedRun(
         apply_fn, params, ByteVocab(), 128, {"params": which, "step": 0, "params_sha256": "-"}))
     (tmp_path / "summary.json").write_text(json.dumps({"final_eval_loss": 2.5, "downstream": {"x": 1}}))
+    (tmp_path / "config.json").write_text("{}")  # a run folder (load_run, replaced above, reads the rest)
     out = tmp_path / "items.jsonl"
     rc = cli.main(["--workdir", str(tmp_path), "--tasks", "piqa,arc_easy", "--data_dir", str(data),
                    "--limit", "4", "--output", str(out)])
