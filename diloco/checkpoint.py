@@ -25,7 +25,7 @@ import time
 import warnings
 from typing import Any
 
-from diloco.noise import native_stderr_held, silence_stderr
+from diloco.noise import native_stderr_captured, silence_stderr
 
 
 class CheckpointError(Exception):
@@ -197,7 +197,7 @@ class Checkpointer:
         ocp = self._ocp
         meta = {**meta, "state_checksum": state_checksum(state), "code": code_version()}
         try:  # a full disk makes orbax/tensorstore print ~140 tracebacks: held, and dropped for our one line
-            with native_stderr_held(drop=_disk_full):
+            with native_stderr_captured(replay=lambda e: e is None or not _disk_full(e)):
                 self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)), force=True)
                 self.mngr.wait_until_finished()

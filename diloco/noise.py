@@ -24,43 +24,23 @@ def quiet_environment() -> None:
 
 
 @contextlib.contextmanager
-def native_stderr_captured() -> Iterator[None]:
-    """fd 2 → a temporary file for the duration; replayed on stderr if the block raises."""
+def native_stderr_captured(replay=lambda error: error is not None) -> Iterator[None]:
+    """fd 2 → a temporary file for the duration; afterwards the text is shown on stderr when replay(the
+    exception the block raised, or None) is true: by default only if the block raised."""
     with _LOCK, tempfile.TemporaryFile() as tmp:
         sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved, 2)
-            tmp.seek(0)
-            sys.stderr.write(tmp.read().decode(errors="replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-
-@contextlib.contextmanager
-def native_stderr_held(drop=lambda e: False) -> Iterator[None]:
-    """fd 2 → a temporary file for the duration, replayed on stderr afterwards unless the block raised an
-    exception for which drop(exception) is true (a failure the caller answers in one line of its own)."""
-    with _LOCK, tempfile.TemporaryFile() as tmp:
-        sys.stderr.flush()
-        saved, show = os.dup(2), True
+        saved, error = os.dup(2), None
         os.dup2(tmp.fileno(), 2)
         try:
             yield
         except BaseException as e:
-            show = not drop(e)
+            error = e
             raise
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
-            if show:
+            if replay(error):
                 tmp.seek(0)
                 sys.stderr.write(tmp.read().decode(errors="replace"))
 
