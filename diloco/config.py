@@ -227,9 +227,7 @@ def _validate_eager(cfg) -> None:
     """eager / eager_rounds / error_feedback ([EU] eager updates, error feedback: docs/architecture.md)."""
     from diloco.outer import eager
 
-    eager.check(cfg.eager, cfg.eager_rounds)
-    if not isinstance(cfg.error_feedback, bool):
-        raise ConfigError("error_feedback", f"{cfg.error_feedback!r} must be true or false")
+    eager.check(cfg.eager, cfg.eager_rounds)  # error_feedback's type: schema.DECLARED (checked before this)
     on = [f for f in ("eager", "error_feedback") if cfg[f] not in ("off", False)]
     if not on:
         return
