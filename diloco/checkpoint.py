@@ -205,13 +205,26 @@ class Checkpointer:
             if not _disk_full(e):
                 raise
             silence_stderr()  # the writers' threads keep failing while this unwinds; the caller restores it
-            for p in self.dir.iterdir():  # orbax's temporary folder of this save: it would keep the disk full
-                if p.name.startswith(f"{step}.") and "tmp" in p.name:
-                    p.rmtree()
+            self._remove_partial(step)
             self.mngr.reload()
             raise DiskFull(f"no space left on the device of {self.dir} while saving the checkpoint of step {step}; "
                            f"its partial files were removed, the previous checkpoints {self.steps()} are kept. Free "
                            "space and run the same command to resume") from None
+
+    def _remove_partial(self, step: int, quiet_s: float = 0.3, limit_s: float = 10.0) -> None:
+        """Removes orbax's temporary folder of a failed save (it would keep the disk full). Writer threads
+        of the save may still be running and recreate parts of it, so it is removed until it has stayed
+        gone for `quiet_s`."""
+        start = last_seen = time.monotonic()
+        while time.monotonic() - last_seen < quiet_s and time.monotonic() - start < limit_s:
+            for p in self.dir.iterdir():
+                if p.name.startswith(f"{step}.") and "tmp" in p.name:
+                    try:
+                        p.rmtree()
+                    except OSError:  # a writer thread changed it under us: the next pass removes the rest
+                        pass
+                    last_seen = time.monotonic()
+            time.sleep(0.05)
 
     def latest_meta(self) -> dict:
         """The sidecar of the newest checkpoint alone (no array read), {} when there is none or it cannot
