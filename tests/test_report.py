@@ -330,6 +330,62 @@ def test_t_interval_calls_inconclusive_what_two_se_called_agrees():
     assert judge(2.5, float("nan"), float("nan"), 0.0, 5.0)[1] == "inconclusive (n<2)"
 
 
+def _question(root):
+    """The researcher's question as records: τ ∈ {1, 2} × α ∈ {0, 0.5} (Streaming) and DP, 3 seeds each."""
+    losses = {(1, 0.0): (2.02, 2.04, 2.06), (2, 0.0): (2.04, 2.05, 2.06), (1, 0.5): (2.0, 2.0, 2.0),
+              (2, 0.5): (2.02, 2.02, 2.02), None: (2.0, 2.0, 2.0)}
+    for key, ls in losses.items():
+        axes = {"method": "dp"} if key is None else {"tau": key[0], "alpha": key[1]}
+        spec = "experiments/c4_scaling.py:tiny," + ("dp" if key is None else "streaming_ovl_fp4_h30")
+        for seed, loss in enumerate(ls):
+            wd = _record(root, "question", sw.point_name(axes), spec, loss, seed, sweep_file="sweeps/question.py",
+                         **({} if key is None else axes))
+            p = json.loads((wd / "point.json").read_text())
+            (wd / "point.json").write_text(json.dumps({**p, "point": axes, "axes": list(axes)}))
+
+
+def test_ref_and_pairs_compare_with_t_intervals_by_hand(tmp_path, capsys):
+    """By hand, against DP (2.0 every seed): τ=1,α=0 gains +1, +2, +3 % (mean 2, sd 1, t(2) = 4.3027, ±2.4841:
+    [−0.484, 4.484], not significant); τ=2,α=0 +2, +2.5, +3 % (sd 0.5: ±1.2421, [1.258, 3.742], significant).
+    --pairs tau: τ=2 against τ=1 at each α (α held fixed), --pairs alpha: α=0.5 against α=0 at each τ."""
+    root = tmp_path / "runs"
+    _question(root)
+    assert report.main(["--root", str(root), "--ref", "method=dp", "--pairs", "tau,alpha"]) == 0
+    assert "| ref method=dp |" in capsys.readouterr().out  # the table is printed, too
+    t = pd.read_csv(root / "compare.csv")
+    ref = t[t.by == "ref method=dp"].set_index("setting")
+    r = ref.loc["tau=1,alpha=0.0"]
+    assert r.n == 3 and math.isclose(r.gap_pct, 2.0, rel_tol=1e-9) and r.significant == "no"
+    assert math.isclose(r.ci_low_pct, 2 - 4.302653 / math.sqrt(3), abs_tol=1e-5)
+    assert math.isclose(r.ci_high_pct, 4.48414, abs_tol=1e-5)
+    r = ref.loc["tau=2,alpha=0.0"]
+    assert math.isclose(r.gap_pct, 2.5, rel_tol=1e-9) and r.significant == "yes"
+    assert math.isclose(r.ci_low_pct, 1.257931, abs_tol=1e-5) and math.isclose(r.ci_high_pct, 3.742069, abs_tol=1e-5)
+    assert set(ref.vs) == {"method=dp"} and len(ref) == 4
+    pairs = {(x.by, x.setting): (x.vs, x.significant) for x in t[t.by != "ref method=dp"].itertuples()}
+    assert pairs == {("tau", "tau=2,alpha=0.0"): ("tau=1,alpha=0.0", "no"),
+                     ("tau", "tau=2,alpha=0.5"): ("tau=1,alpha=0.5", "yes"),  # +1 % every seed
+                     ("alpha", "tau=1,alpha=0.5"): ("tau=1,alpha=0.0", "no"),  # −0.99, −1.96, −2.91 %: ±2.39
+                     ("alpha", "tau=2,alpha=0.5"): ("tau=2,alpha=0.0", "yes")}  # −0.98, −1.46, −1.94 %: ±1.19
+    md = (root / "compare.md").read_text()
+    assert md.startswith("# Comparisons (--ref method=dp --pairs tau,alpha)") and "What it is: corpus" in md
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--ref", "method=sgd"], "--ref: method=sgd matches no finished setting under --root (method is dp, streaming)"),
+    (["--ref", "tau=1"], "--ref: tau=1 matches 2 settings of sweep 'question'"),
+    (["--ref", "nosuch=1"], "--ref: 'nosuch' is not an axis or config field of sweep 'question'"),
+    (["--ref", "method"], "--ref: 'method' must look like KEY=VALUE"),
+    (["--pairs", "nosuch"], "--pairs: 'nosuch' is not an axis or config field")])
+def test_ref_and_pairs_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, says):
+    root = tmp_path / "runs"
+    _question(root)
+    assert report.main(["--root", str(root), *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert not (root / "compare.csv").exists() and not (root / "runs.csv").exists()
+
+
 def test_seeds_needed_is_the_textbook_power_calculation():
     """80 % power, two-sided 95 %, one-sample t (Cohen 1988; G*Power): effect size d = 0.5 → 34 seeds,
     d = 1 → 10, d = 0.8 → 15 (≈ ((1.960 + 0.842)/d)² + 1.960²/2 = 33.3, 9.8, 14.2, rounded up). d is the
