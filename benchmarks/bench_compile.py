@@ -34,7 +34,7 @@ def paper_streaming_trainer(scale: str, topology: str):
 
     T = importlib.import_module("diloco.compile.paper_table")  # the package exports a function of that name
     from diloco.compile.aot import tpu_devices
-    from diloco.config import validate
+    from diloco.resolve import mesh_shape
     from diloco.trainer import Trainer
 
     spm = os.environ.get("DILOCO_SPM")  # the T5 32k SentencePiece model: only its vocabulary size is used
@@ -43,7 +43,7 @@ def paper_streaming_trainer(scale: str, topology: str):
     cfg = T.paper_config(scale, "Streaming", spm)
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = cfg.replicas, 1, -1
-    validate(cfg, check_data=False, num_devices=len(devices))
+    mesh_shape(cfg, len(devices))  # the mesh and batch fit the devices
     return cfg, devices, Trainer(cfg, devices=devices)
 
 

@@ -152,8 +152,9 @@ def flatten(cfg, prefix: str = "") -> dict:
     return out
 
 
-def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_devices: int | None = None) -> None:
-    """Raise ConfigError on the first bad field. Cheap: no compilation, no data reading."""
+def validate(cfg: ml_collections.ConfigDict, check_data: bool = True) -> None:
+    """Raise ConfigError on the first bad field: keys, types, ranges and the rules between keys; the data
+    it names exists (`check_data`). Once per run (load_config); what needs the devices is resolve.py's."""
     from diloco import schema
     from diloco.model.scales import SCALES
 
@@ -189,18 +190,8 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
                               f"tau ≥ 1 (got tau={sched.tau_min}); use exchange=blocking or exchange=auto")
         codec_from_config(cfg)
     _validate_eager(cfg)
-    mesh_rules(cfg)
-    n_dev = num_devices
-    if n_dev is not None:
-        r_axis, data_axis, fsdp_axis = mesh_shape(cfg, n_dev)
-        per_dev = cfg.batch_size // cfg.replicas if cfg.method != "dp" else cfg.batch_size
-        if per_dev % (data_axis * fsdp_axis):
-            raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the "
-                              f"{data_axis * fsdp_axis} devices of the data×fsdp axes ({n_dev} devices); "
-                              f"use a multiple of {data_axis * fsdp_axis}")
+    mesh_rules(cfg)  # the mesh's sizes need the devices: diloco/resolve.py mesh_shape
     schema.cross(cfg)
-    if cfg.downstream.tasks:
-        _validate_downstream(cfg, check_data)
     if check_data:
         from diloco.data import validate_data
 
@@ -209,16 +200,11 @@ def validate(cfg: ml_collections.ConfigDict, check_data: bool = True, num_device
 
 
 def _validate_outer_name(cfg) -> None:
-    """outer.name: an optax constructor of diloco/outer/sync.py OUTER_OPTIMIZERS."""
-    from diloco.outer.sync import LINEAR, OUTER_OPTIMIZERS
+    """outer.name (one of OUTER_OPTIMIZERS: schema.DECLARED) with the rule it serves."""
+    from diloco.outer.sync import LINEAR
 
-    name = cfg.outer.get("name", "nesterov")
-    if name == "muon":
-        raise ConfigError("outer.name", "muon needs the outer state per parameter matrix (optax.contrib.muon refuses "
-                          "rank < 2) and the outer state is one flat vector per fragment; use nesterov, sgd, adam or adamw")
-    if name not in OUTER_OPTIMIZERS:
-        raise ConfigError("outer.name", f"{name!r}; valid: {', '.join(OUTER_OPTIMIZERS)}")
-    if name not in LINEAR and cfg.get("eager", "off") in ("swap", "mix"):
+    name = cfg.outer.name
+    if name not in LINEAR and cfg.eager in ("swap", "mix"):
         raise ConfigError("outer.name", f"{name} with eager={cfg.eager}: the evaluated θᵍ (the replicas' mean) is "
                           "what one optimizer would hold only for a step linear in Δ (nesterov, sgd); use eager=naive")
 
@@ -236,21 +222,6 @@ def _validate_eager(cfg) -> None:
     if cfg.eager != "off" and (cfg.tau or cfg.replica_tau):
         raise ConfigError("tau", f"eager={cfg.eager} applies a round's average eager_rounds·H steps later by "
                           "construction; set --config.tau=0 (and no replica_tau)")
-
-
-def _validate_downstream(cfg, check_data: bool) -> None:
-    """Downstream eval runs late in a run: fail before training on a bad task name, missing or malformed data."""
-    from diloco.eval import benchmarks as B
-
-    try:
-        names = B.parse_benchmarks(cfg.downstream.tasks)
-    except ValueError as e:
-        raise ConfigError("downstream.tasks", str(e)) from None
-    for name in names if check_data else ():
-        try:
-            B.load_docs(name, cfg.downstream.data_dir or None)
-        except (B.DataNotFound, B.MalformedItem) as e:
-            raise ConfigError("downstream.data_dir", str(e)) from None
 
 
 def _validate_faults(cfg) -> None:
@@ -271,19 +242,6 @@ def _validate_faults(cfg) -> None:
             raise ConfigError(f"faults.{k}", f"{f[k]} must be -1 (off) or a replica index in 0..{R - 1}")
         if f[step] < 1:
             raise ConfigError(f"faults.{step}", f"set faults.{step} ≥ 1: the step at which replica {f[k]} faults")
-
-
-def replica_axis_size(cfg, n_dev: int) -> int:
-    """Devices on the `replica` mesh axis: M when M divides the device count, else 1 (all replicas
-    live on each device, still a leading array axis). DP puts every device on `data`."""
-    if cfg.method == "dp":
-        return 1
-    want = cfg.mesh.replica_axis or cfg.replicas
-    if n_dev % want == 0 and cfg.replicas % want == 0:
-        return want
-    if cfg.mesh.replica_axis:
-        raise ConfigError("mesh.replica_axis", f"{want} must divide both the {n_dev} devices and replicas={cfg.replicas}")
-    return 1
 
 
 # Logical axis names the model uses (diloco/model/transformer.py: parameters and activations) and the mesh axes.
@@ -317,38 +275,6 @@ def mesh_rules(cfg) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
             raise ConfigError("mesh.rules", f"{name}={axes} names a mesh axis twice")
         rules.append((name, got or None))
     return tuple(rules)
-
-
-def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
-    """(replica, data, fsdp) axis sizes for n_dev devices. mesh.data / mesh.fsdp: a size, or -1 for the
-    devices of a replica left over by the other; mesh.fsdp = 0 is "auto" (the default): 1 at the toy scales
-    (every device on data), and at the paper's scales FSDP over every device of a replica (data 1 unless
-    given), so the parameters and optimizer state of a large model are split over its chips."""
-    from diloco.model.scales import TOY_SCALES
-
-    r_axis = replica_axis_size(cfg, n_dev)
-    per = n_dev // r_axis
-    data, fsdp = int(cfg.mesh.get("data", -1)), int(cfg.mesh.get("fsdp", 1))
-    if fsdp == 0:  # auto
-        if cfg.scale in TOY_SCALES:
-            fsdp = 1
-        else:
-            data, fsdp = (1 if data == -1 else data), -1
-    for field, v in (("mesh.data", data), ("mesh.fsdp", fsdp)):
-        if v == 0 or v < -1:
-            raise ConfigError(field, f"{v} must be ≥ 1, or -1 for the remaining devices" +
-                              (", or 0 (auto)" if field == "mesh.fsdp" else ""))
-        if v > 0 and per % v:
-            raise ConfigError(field, f"{v} does not divide the {per} devices of one replica ({n_dev} devices / "
-                              f"replica axis {r_axis}); use a divisor of {per}")
-    if data == -1 and fsdp == -1:
-        raise ConfigError("mesh.fsdp", "mesh.data and mesh.fsdp are both -1; give one of them a size")
-    data = per // fsdp if data == -1 else data
-    fsdp = per // data if fsdp == -1 else fsdp
-    if data * fsdp != per:
-        raise ConfigError("mesh.fsdp", f"mesh.data={data} × mesh.fsdp={fsdp} = {data * fsdp} ≠ the {per} devices of "
-                          f"one replica ({n_dev} devices / replica axis {r_axis}); set one of them to -1")
-    return r_axis, data, fsdp
 
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:

@@ -1,5 +1,6 @@
 """One plan of every choice a run's config leaves to `auto`, resolved once from the config and the
-devices: the platform, the mesh, attention, rematerialisation, nn.scan and the exchange placement.
+devices: the platform, the mesh, attention, rematerialisation, nn.scan, the exchange placement and the
+outer schedule (the mesh's arithmetic is here: `mesh_shape`).
 
     plan = resolve(cfg, devices, comm_devices)   # nothing compiled, nothing allocated
     plan.to_json()                               # summary.json["resolved"], printed by `diloco compile`
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from diloco.config import mesh_shape
+from diloco.errors import ConfigError
 from diloco.model.scales import SCALES, TOY_SCALES, formula_params
 from diloco.model.transformer import SPLASH_BLOCK
 
@@ -33,6 +34,7 @@ class Plan:
     scan: bool                    # nn.scan over the blocks
     exchange: str                 # none (dp) | blocking | in_step | comm_device
     why: dict = dataclasses.field(default_factory=dict, compare=False)  # choice → the reason, in words
+    schedule: Any = dataclasses.field(default=None, compare=False)  # the outer Schedule (None for DP)
 
     def to_json(self) -> dict[str, Any]:
         return {"platform": self.platform, "devices": self.devices,
@@ -44,6 +46,53 @@ class Plan:
         j = self.to_json()
         return [f"resolved {k}: {j[k]}" + (f"  ({self.why[k]})" if k in self.why else "")
                 for k in ("platform", "mesh", "attention", "remat", "scan", "exchange")]
+
+
+def replica_axis_size(cfg, n_dev: int) -> int:
+    """Devices on the `replica` mesh axis: M when M divides the device count, else 1 (all replicas
+    live on each device, still a leading array axis). DP puts every device on `data`."""
+    if cfg.method == "dp":
+        return 1
+    want = cfg.mesh.replica_axis or cfg.replicas
+    if n_dev % want == 0 and cfg.replicas % want == 0:
+        return want
+    if cfg.mesh.replica_axis:
+        raise ConfigError("mesh.replica_axis", f"{want} must divide both the {n_dev} devices and replicas={cfg.replicas}")
+    return 1
+
+
+def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
+    """(replica, data, fsdp) axis sizes for n_dev devices (ConfigError when they or the batch do not fit). mesh.data / mesh.fsdp: a size, or -1 for the
+    devices of a replica left over by the other; mesh.fsdp = 0 is "auto" (the default): 1 at the toy scales
+    (every device on data), and at the paper's scales FSDP over every device of a replica (data 1 unless
+    given), so the parameters and optimizer state of a large model are split over its chips."""
+    r_axis = replica_axis_size(cfg, n_dev)
+    per = n_dev // r_axis
+    data, fsdp = int(cfg.mesh.get("data", -1)), int(cfg.mesh.get("fsdp", 1))
+    if fsdp == 0:  # auto
+        if cfg.scale in TOY_SCALES:
+            fsdp = 1
+        else:
+            data, fsdp = (1 if data == -1 else data), -1
+    for field, v in (("mesh.data", data), ("mesh.fsdp", fsdp)):
+        if v == 0 or v < -1:
+            raise ConfigError(field, f"{v} must be ≥ 1, or -1 for the remaining devices" +
+                              (", or 0 (auto)" if field == "mesh.fsdp" else ""))
+        if v > 0 and per % v:
+            raise ConfigError(field, f"{v} does not divide the {per} devices of one replica ({n_dev} devices / "
+                              f"replica axis {r_axis}); use a divisor of {per}")
+    if data == -1 and fsdp == -1:
+        raise ConfigError("mesh.fsdp", "mesh.data and mesh.fsdp are both -1; give one of them a size")
+    data = per // fsdp if data == -1 else data
+    fsdp = per // data if fsdp == -1 else fsdp
+    if data * fsdp != per:
+        raise ConfigError("mesh.fsdp", f"mesh.data={data} × mesh.fsdp={fsdp} = {data * fsdp} ≠ the {per} devices of "
+                          f"one replica ({n_dev} devices / replica axis {r_axis}); set one of them to -1")
+    per_dev = cfg.batch_size // cfg.replicas if cfg.method != "dp" else cfg.batch_size
+    if per_dev % per:
+        raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the {per} devices of the "
+                          f"data×fsdp axes ({n_dev} devices); use a multiple of {per}")
+    return r_axis, data, fsdp
 
 
 def head_dim(cfg) -> int:
@@ -100,13 +149,23 @@ def scan(cfg) -> tuple[bool, str]:
     return True, "paper scale: one compiled block under nn.scan"
 
 
-def exchange(cfg, platform: str, mesh=None, comm_devices=None) -> tuple[str, str]:
+def outer_schedule(cfg):
+    """The run's outer Schedule (H, P, τ per replica: diloco/outer/schedule.py); None for DP."""
+    if cfg.method == "dp":
+        return None
+    from diloco.outer.methods import num_fragments
+    from diloco.outer.schedule import make_schedule
+
+    P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
+    return make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau)
+
+
+def exchange(cfg, platform: str, mesh=None, comm_devices=None, schedule=None) -> tuple[str, str]:
     """(where each send's exchange runs, why): `none` for DP; a comm device per process when one is
     given and the mesh can use it (diloco/outer/overlap.py); else `in_step` (inside the next inner
     step's program) when asked, or by `auto` on TPU/GPU, and τ ≥ 1 or eager (whose average is read D rounds
     later); else `blocking` (its own program)."""
     from diloco.outer.overlap import overlap_unsupported
-    from diloco.outer.schedule import make_schedule
 
     if cfg.method == "dp":
         return "none", "data-parallel: gradients are reduced inside every step"
@@ -116,10 +175,7 @@ def exchange(cfg, platform: str, mesh=None, comm_devices=None) -> tuple[str, str
         if not why_not:
             return "comm_device", "a comm device per process (diloco launch --comm_device)"
         why_not = f"the comm devices cannot serve this mesh: {why_not}; "
-    from diloco.outer.methods import num_fragments
-
-    P = num_fragments(SCALES[cfg.scale].layers, cfg.layers_per_fragment, cfg.fragments, cfg.embed_fragment)
-    tau_min = make_schedule(cfg.H, P, cfg.tau, cfg.replicas, cfg.replica_tau).tau_min
+    tau_min = (schedule or outer_schedule(cfg)).tau_min
     from diloco.outer.rules import make_rule
 
     later = make_rule(cfg).round_in_send  # eager: a round's average is applied D rounds later, whatever τ
@@ -147,13 +203,15 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
     att, att_why = attention(cfg, platform)
     rem, rem_why = remat(cfg, platform)
     sc, sc_why = scan(cfg)
-    ex, ex_why = exchange(cfg, platform, mesh, comm_devices)
+    sched = outer_schedule(cfg)
+    ex, ex_why = exchange(cfg, platform, mesh, comm_devices, sched)
     mesh_why = ("mesh.* set" if int(cfg.mesh.get("fsdp", 1)) != 0 else
                 "fsdp auto: " + ("every device on data (toy scale)" if cfg.scale in TOY_SCALES
                                  else "FSDP over every device of a replica"))
     return Plan(platform=platform, devices=len(devices), mesh=tuple(int(x) for x in shape),
                 attention=att, remat=rem, scan=sc, exchange=ex,
-                why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why})
+                why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why},
+                schedule=sched)
 
 
 # The config fields the plan resolves: `diloco sweep` compares the plans, not these fields' text.

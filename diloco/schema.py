@@ -87,6 +87,16 @@ def _codecs():
     return ALL_NAMES
 
 
+def _eager_modes():
+    from diloco.outer.eager import EAGER_MODES
+    return EAGER_MODES
+
+
+def _outer_optimizers():
+    from diloco.outer.sync import OUTER_OPTIMIZERS
+    return tuple(OUTER_OPTIMIZERS)
+
+
 def _patterns():
     from diloco.outer.fragments import PATTERNS
     return PATTERNS
@@ -110,8 +120,8 @@ DECLARED: dict[str, object] = {
     "embed_fragment": OneOf(("first", "last", "own")), "codec": OneOf(_codecs), "codec_block_size": POS,
     "codec_rounding": OneOf(("nearest", "stochastic")), "codec_keep_fraction": Num(float, 0.0, 1.0, open_lo=True),
     "dp_grad_dtype": OneOf(DTYPES), "freeze_non_syncing": Flag(),
-    "eager": OneOf(("off", "naive", "swap", "mix")), "eager_rounds": POS, "error_feedback": Flag(),
-    "outer.name": Text("an outer optimizer of diloco/outer/sync.py OUTER_OPTIMIZERS"),
+    "eager": OneOf(_eager_modes), "eager_rounds": POS, "error_feedback": Flag(),
+    "outer.name": OneOf(_outer_optimizers),
     "outer.lr": Num(float, 0.0, open_lo=True), "outer.momentum": PROB, "outer.b2": PROB,
     "outer.eps": Num(float, 0.0, open_lo=True), "outer.weight_decay": Num(float, 0.0),
     "optimizer.lr": Num(float, 0.0, open_lo=True), "optimizer.warmup_steps": NONNEG,

@@ -129,8 +129,9 @@ class Run:
 
         from diloco import distributed as dist
         from diloco.checkpoint import Checkpointer
-        from diloco.config import to_json, validate
+        from diloco.config import to_json
         from diloco.data import eval_batches, train_batches
+        from diloco.eval.benchmarks import check_downstream
         from diloco.faults import Faults
         from diloco.rundir import RunDir, is_remote, require
         from diloco.hostmem import check_fits_host
@@ -142,7 +143,7 @@ class Run:
         dist.initialize_from_env()  # multi-process (diloco launch): before any other JAX use
         self.multi = dist.num_processes() > 1
         dist.check_processes(1 if cfg.method == "dp" else cfg.replicas)
-        validate(cfg, check_data=True, num_devices=len(dist.compute_devices() or jax.devices()))
+        check_downstream(cfg.downstream)  # cfg was validated once (load_config); the mesh: resolve.mesh_shape
         self.cfg, self.dist = cfg, dist
         workdir = require(workdir, "workdir")
         self.tr = tr = Trainer(cfg, devices=dist.compute_devices(), comm_devices=dist.comm_devices(),

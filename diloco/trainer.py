@@ -31,7 +31,6 @@ from diloco.outer.codecs import codec_from_config
 from diloco.outer import rules
 from diloco.outer.driver import OuterDriver
 from diloco.outer.fragments import make_fragments
-from diloco.outer.schedule import make_schedule
 from diloco.outer.sync import OuterState, OuterSync, outer_optimizer
 from diloco.sharding import Layout, make_mesh
 
@@ -105,7 +104,7 @@ class Trainer:
                              outer_optimizer(**cfg.outer), cfg.alpha,
                              self.mesh if self.mesh.shape["replica"] > 1 else None)
             # the plan's placement of each send's exchange (diloco/outer/placement.py), the config's rule
-            self.driver = OuterDriver(sync, make_schedule(cfg.H, frags.P, cfg.tau, cfg.replicas, cfg.replica_tau),
+            self.driver = OuterDriver(sync, self.plan.schedule,
                                       self.R, cfg.seed, self.plan.exchange,
                                       self._overlap(sync, comm_devices, timeline), self.constrain,
                                       pin_flat=self.pin_flat, inner_step=self.inner_step, check=check,

@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     # (one of them -1: the remaining devices); fsdp > 1 shards params, AdamW moments and the outer state.
     # rules: logical axis name → mesh axes inside a replica ("name=axis[+axis],…"; diloco/config.py mesh_rules):
     # parameters/AdamW moments/θᵍ and the activations are laid out by them (docs/distributed.md).
-    # fsdp 0 = auto: 1 at the toy scales, every device of a replica at the paper's scales (config.mesh_shape).
+    # fsdp 0 = auto: 1 at the toy scales, every device of a replica at the paper's scales (resolve.mesh_shape).
     c.mesh = ml_collections.ConfigDict(dict(replica_axis=0, data=-1, fsdp=0, rules="batch=data+fsdp,embed=fsdp"))
     c.downstream = ml_collections.ConfigDict(dict(tasks="", every=0, limit=0, data_dir=""))
     c.faults = ml_collections.ConfigDict(dict(

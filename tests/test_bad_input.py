@@ -70,7 +70,7 @@ BAD = [
     Bad("pattern", {"pattern": "random"}, "pattern", r"'random' is not one of"),
     Bad("too_many_fragments", {"fragments": 9, "layers_per_fragment": 0}, "fragments", r"9"),
     Bad("outer_lr", {"outer.lr": 0.0}, "outer.lr", r"0.0 is out of range; use a value > 0"),
-    Bad("outer_name", {"outer.name": "muon"}, "outer.name", r"muon needs the outer state per parameter matrix"),
+    Bad("outer_name", {"outer.name": "lion"}, "outer.name", r"'lion' is not one of nesterov, sgd, adam"),
     Bad("inner_lr", {"optimizer.lr": -1.0}, "optimizer.lr", r"-1.0 is out of range; use a value > 0"),
     Bad("dtype", {"model.dtype": "int8"}, "model.dtype", r"'int8' is not one of"),
     Bad("diloco_with_tau", {"tau": 1}, "method", r"diloco is P=1, tau=0", method="diloco"),
@@ -143,23 +143,26 @@ BAD = [
 
 @pytest.mark.parametrize("case", BAD, ids=[b.id for b in BAD])
 def test_bad_config_or_data_names_field_and_says_what_is_wrong(case: Bad, tmp_path):
-    from diloco.config import validate
+    from diloco.eval.benchmarks import check_downstream
+    from diloco.resolve import mesh_shape
 
     overrides = case.overrides(tmp_path) if callable(case.overrides) else case.overrides
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # what a run checks before it builds anything
         cfg = tiny_config(case.method, **overrides)
+        check_downstream(cfg.downstream)
         if case.devices:
-            validate(cfg, num_devices=case.devices)
+            mesh_shape(cfg, case.devices)
     assert e.value.field == case.field, str(e.value)
     assert re.search(case.message, str(e.value), re.S), str(e.value)
 
 
 def validator_fields() -> set[str]:
-    """Every field diloco/config.py can name in a ConfigError, read from its source: the string given to
-    ConfigError(...) or _one_of(cfg, ...), and the strings a `for` loop feeds to ConfigError(<loop var>)."""
+    """Every field diloco/config.py and resolve.py can name in a ConfigError, read from their source: the
+    string given to ConfigError(...) or _one_of(cfg, ...), and the strings a `for` loop feeds to
+    ConfigError(<loop var>)."""
     import ast
 
-    from diloco import config
+    from diloco import config, resolve
 
     def name(call: ast.Call) -> str | None:
         return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
@@ -168,7 +171,8 @@ def validator_fields() -> set[str]:
         return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
 
     fields: set[str] = set()
-    for node in ast.walk(ast.parse(Path(config.__file__).read_text())):
+    source = "\n".join(Path(m.__file__).read_text() for m in (config, resolve))
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and name(node) == "ConfigError" and node.args:
             fields.update(text(node.args[0]))
         elif isinstance(node, ast.Call) and name(node) == "_one_of" and len(node.args) > 1:

@@ -269,7 +269,7 @@ def test_committed_memory_rows_compiled_every_program_of_the_run(shared_dir):
     of the Trainer built for its config on its slice — each kind of program the run's Trainer has
     (`trainer_programs`: Streaming's step+send, DiLoCo's whole-model send/update/merge), for the
     largest fragment. (Building the Trainers compiles nothing.)"""
-    from diloco.config import validate
+    from diloco.resolve import mesh_shape
     from diloco.trainer import Trainer
 
     spm = str(shared_dir / "data" / "vocab" / "sentencepiece_cc_all.32000.100extra-sentencepiece.model")
@@ -282,7 +282,7 @@ def test_committed_memory_rows_compiled_every_program_of_the_run(shared_dir):
             R = 1 if cfg.method == "dp" else cfg.replicas
             devs = C.tpu_devices(r["topology"])
             cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
-            validate(cfg, check_data=False, num_devices=len(devs))
+            mesh_shape(cfg, len(devs))  # the mesh and batch fit the devices
             tr = Trainer(cfg, devices=devs)
             every = [n for n, _, _ in C.trainer_programs(tr)]
             seen[r["scale"], r["method"]] = C.table_programs(tr), {n.split(" ")[0] for n in every}

@@ -366,16 +366,16 @@ print("ok")
     ({"mesh.data": 0}, "mesh.data", "must be ≥ 1"),
 ])
 def test_bad_mesh_is_one_line_error_naming_the_field(over, field, why):
-    from diloco.config import validate
+    from diloco.resolve import mesh_shape
 
     cfg = tiny_config("dp", batch_size=16, **over)
     with pytest.raises(ConfigError) as e:
-        validate(cfg, check_data=False, num_devices=8)
+        mesh_shape(cfg, 8)
     assert e.value.field == field and why in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mesh_defaults_keep_every_device_on_data():
-    from diloco.config import mesh_shape
+    from diloco.resolve import mesh_shape
 
     assert mesh_shape(tiny_config("dp", batch_size=16), 8) == (1, 8, 1)
     assert mesh_shape(tiny_config("streaming", batch_size=16), 8) == (2, 4, 1)
@@ -390,7 +390,7 @@ def test_mesh_defaults_keep_every_device_on_data():
     ("4B", {"mesh.fsdp": 1}, (2, 4, 1)),            # an explicit size is never overridden
 ])
 def test_mesh_fsdp_auto_shards_the_paper_scales(scale, over, want):
-    from diloco.config import mesh_shape
+    from diloco.resolve import mesh_shape
 
     assert mesh_shape(tiny_config("streaming", batch_size=16, scale=scale, **over), 8) == want
 

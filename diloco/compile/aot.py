@@ -154,10 +154,10 @@ def eval_param_sharding(tr, x, path=None):
 
 
 def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hlo_dir: str | None = None) -> dict:
-    from diloco.config import validate
+    from diloco.resolve import mesh_shape
 
     devices = tpu_devices(topology, slices)
-    validate(cfg, check_data=False, num_devices=len(devices))
+    mesh_shape(cfg, len(devices))  # the mesh and batch fit the devices
     hbm = CHIP_HBM_BYTES[topology.split(":")[0]]
     got = compile_trainer(cfg, devices, only, hlo_dir)
     tr, progs = got["trainer"], got["programs"]

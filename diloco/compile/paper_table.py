@@ -152,12 +152,13 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     """One slice: inner and eval first; when they fit, the rest of the run's programs. The row's peak
     is the largest of the programs compiled, and `fits` is decided on it. A result under `cache`
     (keyed by the config, the slice and `compiled_with()`) is returned without compiling."""
-    from diloco.config import to_json, validate
+    from diloco.config import to_json
+    from diloco.resolve import mesh_shape
     from diloco.trainer import Trainer
 
     devices = tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
-    validate(cfg, check_data=False, num_devices=len(devices))
+    mesh_shape(cfg, len(devices))  # the mesh and batch fit the devices
     how = compiled_with()
     key = hashlib.sha256(f"{to_json(cfg)}|{topology}|{how}".encode()).hexdigest()[:16]
     where = os.path.join(cache, f"{scale}_{method}_{topology.replace(':', '-')}_{key}.json") if cache else None

@@ -268,6 +268,24 @@ def parse_benchmarks(names: str | list[str]) -> list[str]:
     return out
 
 
+def check_downstream(d, check_data: bool = True) -> None:
+    """A run's `downstream` config (tasks, data_dir), before training (the evaluation runs late): a
+    ConfigError naming the field on an unknown task, missing or malformed data."""
+    from diloco.errors import ConfigError
+
+    if not d.tasks:
+        return
+    try:
+        names = parse_benchmarks(d.tasks)
+    except ValueError as e:
+        raise ConfigError("downstream.tasks", str(e)) from None
+    for name in names if check_data else ():
+        try:
+            load_docs(name, d.data_dir or None)
+        except (DataNotFound, MalformedItem) as e:
+            raise ConfigError("downstream.data_dir", str(e)) from None
+
+
 # ---------------------------------------------------------------- locating and loading
 
 def _tfds_dir(data_dir: Path, name: str) -> Path | None:

@@ -20,7 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco.config import REPO_ROOT, load_config, mesh_shape, validate
+from diloco.config import REPO_ROOT, load_config
+from diloco.resolve import mesh_shape
 from diloco.distributed import check_processes, slice_axis
 from diloco.errors import ConfigError
 from diloco.tpu import accelerators
@@ -77,7 +78,6 @@ def check_point(point: dict, extra: list[str], sl: accelerators.Slice, slices: i
     R = 1 if cfg.method == "dp" else cfg.replicas
     try:
         check_processes(R, sl.hosts * slices)
-        validate(cfg, check_data=False, num_devices=n)
         shape = mesh_shape(cfg, n)
         if slices > 1:
             slice_axis(shape, slices)
