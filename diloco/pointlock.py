@@ -13,7 +13,8 @@ from pathlib import Path
 LOCK = ".lock"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -37,7 +38,7 @@ def acquire_lock(workdir: Path) -> bool:
                 host, _, pid = lock.read_text().strip().rpartition(":")
             except FileNotFoundError:
                 continue  # released meanwhile; try again
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+            if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
                 stale = lock.with_name(f"{LOCK}.stale.{os.getpid()}")
                 try:
                     os.replace(lock, stale)  # only one taker wins the rename

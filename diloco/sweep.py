@@ -420,6 +420,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra --config.KEY=VALUE for "
                     "every point (changes the run: use a new --root)")
     ap.add_argument("--dry-run", "--dry_run", action="store_true", help="print the exact commands, run nothing")
+    ap.add_argument("--status", action="store_true", help="one table of the points (done, running, failed, stopped, "
+                    "pending; steps, last loss, ETA) from their folders; runs nothing")
     ap.add_argument("--in-process", action="store_true", help="train points inside -j long-lived worker processes "
                     "(saves the start-up per point; a crash still only fails its point unless it kills the interpreter)")
     ap.add_argument("--points-file", help=argparse.SUPPRESS)  # JSON list of point names (pool workers)
@@ -471,6 +473,11 @@ def main(argv: list[str]) -> int:
         if not pts:
             names = ", ".join(p["name"] for p in sweep["points"][:6]) + (", …" if len(sweep["points"]) > 6 else "")
             raise ConfigError("--only", f"{args.only!r} matches no point of {sweep['name']} ({names}); give part of a name")
+        if args.status:
+            from diloco.sweep_status import status_table
+
+            print(status_table(sweep, Path(args.root), pts))
+            return 0
         if args.launch == "tpu":  # its preflight checks every point for the pod
             return launch_tpu(sweep, args, extra, argv)
         if not args.worker_name:  # a pool worker's parent checked them

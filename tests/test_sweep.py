@@ -190,6 +190,44 @@ def test_status_is_one_line_per_change_with_counts_from_disk(tmp_path, capsys):
     assert sw.eta([60.0, 120.0], 3, 2) == "00:03:00" and sw.eta([10.0], 1, 1) == "00:00:10"  # 2 rounds of 90 s
 
 
+def test_status_table_reads_every_point_state_and_runs_nothing(tmp_path, capsys):
+    """A sweep root written by the real writers: done (100 s), running (step 4 of 10 in 40 s, its lock held by
+    this process: ETA 40/4·6 = 60 s), failed, stopped (a dead process's lock left), pending. The sweep's ETA:
+    the running point's 60 s + 3 points left × the mean 100 s of the one done = 6 min."""
+    from diloco.pointlock import acquire_lock, release_lock
+    from diloco.rundir import append_jsonl, atomic_write_json
+
+    f = _write_sweep(tmp_path, "product(tau=[0, 1, 2, 3, 4])")
+    root = tmp_path / "root"
+    wd = {t: root / "t" / f"tau={t}" for t in range(5)}
+    for t in range(4):
+        atomic_write_json(wd[t] / "config.json", {"method": "dp", "steps": 10})
+    for t, rows in ((0, [(10, 3.5, 100.0)]), (1, [(2, 4.5, 20.0), (4, 4.25, 40.0)]), (3, [(6, 4.0, 70.0)])):
+        for step, loss, secs in rows:
+            append_jsonl(wd[t] / "metrics.jsonl", {"step": step, "train_loss": loss, "seconds": secs})
+    atomic_write_json(wd[0] / "summary.json", {"final_eval_loss": 3.25, "wall_seconds": 100.0})
+    atomic_write_json(wd[2] / "failed.json", {"returncode": 1, "error_tail": "boom"})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (wd[3] / ".lock").write_text(f"{socket.gethostname()}:{dead.stdout.strip()}")
+    assert acquire_lock(wd[1])
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    try:
+        assert sw.main([str(f), "--root", str(root), "--status"]) == 0
+        after = sorted(p.relative_to(root) for p in root.rglob("*"))
+    finally:
+        release_lock(wd[1])
+    lines = capsys.readouterr().out.splitlines()
+    assert [l.split() for l in lines[2:7]] == [
+        ["done", "10/10", "3.5000", "3.2500", "—", "tau=0"],
+        ["running", "4/10", "4.2500", "—", "0:01:00", "tau=1", "(pid", f"{os.getpid()})"],
+        ["failed", "0/10", "—", "—", "—", "tau=2"],
+        ["stopped", "6/10", "4.0000", "—", "—", "tau=3"],
+        ["pending", "0/?", "—", "—", "—", "tau=4"]], lines
+    assert lines[7] == (f"5 point(s) under {root / 't'}: 1 done, 1 running, 1 failed, 1 stopped, 1 pending; ETA 0:06:00 "
+                        "at -j 1 (3 left at the mean 0:01:40 of 1 done)")
+    assert after == before  # nothing written, nothing run
+
+
 def test_seeds_expand_every_point_seed_major_and_keep_seed_zero_folders(tmp_path):
     f = _write_sweep(tmp_path, 'product(tau=[0, 1])')
     one = sw.load_sweep(str(f))
