@@ -2,7 +2,9 @@
 (`diloco/outer/sync.py`, `results/overlap/trainer/README.md`), a `file.py:LINE` (the file has that
 line), a `tests/x.py::test_name`, and a code name in backticks: dotted from the package
 (`diloco.outer.sync.OuterSync`), a project class's member (`Layout.in_rules`, `OuterSync.exchange`)
-or a project module's name (`agent.main`, `sync.OuterSync`). Pure Python (ast), nothing imported."""
+or a project module's name (`agent.main`, `sync.OuterSync`); a relative markdown link's file; a
+`--config.key=` of experiments/base.py; a `DILOCO_*` variable the code reads; a `diloco <command>` of
+diloco/cli.py. Pure Python (ast and text), nothing imported."""
 from __future__ import annotations
 
 import ast
@@ -17,6 +19,11 @@ PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*{},+-]*[\w*}])(?::(\d+)(?:[–-](\
     re.escape(t) for t in TOP))
 CODE = re.compile(r"`([^`\n]+)`")
 NAME = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")
+ENV = re.compile(r"\bDILOCO_[A-Z0-9_]*[A-Z0-9]\b")
+FLAG = re.compile(r"--config\.([\w.]+)=")
+COMMAND = re.compile(r"`diloco ([a-z][a-z_]*)(?=[\s`]|$)(?! \d)")  # in code, not prose …
+CODE_LINE = re.compile(r"^\s*(?:\$ )?diloco ([a-z][a-z_]*)(?=\s|$)(?! \d)")  # … or a line of a code block
+MDLINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 
 
 class Index:
@@ -57,6 +64,14 @@ class Index:
                     and isinstance(node.value, ast.Call) and node.value.args
                     and isinstance(node.value.args[0], ast.Call)):
                 self.config[node.targets[0].attr] = {k.arg for k in node.value.args[0].keywords}
+        self.top = {n.targets[0].attr for n in ast.walk(ast.parse((root / "experiments" / "base.py").read_text()))
+                    if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Attribute)}
+        code = [f for d in ("diloco", "scripts", "benchmarks", "tests/standin", ".ci") for f in (root / d).rglob("*")
+                if f.is_file() and f.suffix in (".py", ".sh", "")]
+        self.env = set().union(*(set(ENV.findall(f.read_text(errors="replace"))) for f in code))
+        cli = ast.parse((root / "diloco" / "cli.py").read_text())
+        self.commands = {k.value for n in ast.walk(cli) if isinstance(n, ast.AnnAssign) and
+                         getattr(n.target, "id", "") == "COMMANDS" for k in n.value.keys}
         self.basenames: dict[str, list[str]] = {}
         for mod in self.modules:
             self.basenames.setdefault(mod.rsplit(".", 1)[-1], []).append(mod)
@@ -119,10 +134,22 @@ def index() -> Index:
     return Index(REPO)
 
 
-def bad_references(text: str, where: str, root=REPO, idx: Index | None = None) -> list[str]:
-    """The references of `text` that do not resolve under `root`, as 'where: reference (why)'."""
+def bad_references(text: str, where: str, root=REPO, idx: Index | None = None, folder: str = "",
+                   code: bool = False) -> list[str]:
+    """The references of `text` (a line of a page in `folder`; `code`: inside a code block) that do not
+    resolve under `root`, as 'where: reference (why)'."""
     idx = idx or index()
     bad = []
+    for target in MDLINK.findall(text):
+        if not re.match(r"[a-z]+:", target) and not (root / folder / target).exists():
+            bad.append(f"{where}: ({target}) (no such file)")
+    for key in set(FLAG.findall(text)) - {"key", "KEY"}:  # `--config.key=value`: a placeholder
+        parts = key.split(".")
+        if not (parts[0] in idx.top and (len(parts) == 1 or parts[1] in idx.config.get(parts[0], ()))):
+            bad.append(f"{where}: --config.{key} (no such key in experiments/base.py)")
+    bad += [f"{where}: {v} (no code reads it)" for v in ENV.findall(text) if v not in idx.env]
+    commands = COMMAND.findall(text) + (CODE_LINE.findall(text) if code or text.startswith("    ") else [])
+    bad += [f"{where}: diloco {c} (no such command in diloco/cli.py)" for c in commands if c not in idx.commands]
     for m in PATH.finditer(text):
         path, line, end, test = m.group(1).rstrip("."), m.group(2), m.group(3), m.group(4)
         if any(c in path for c in "*{"):  # a glob or a brace list: its fixed folder must exist
@@ -174,8 +201,10 @@ def bad_anchors(doc: str) -> list[str]:
 def test_every_reference_in_the_docs_resolves():
     bad = []
     for doc in DOCS:
+        fenced = False
         for i, line in enumerate((REPO / doc).read_text().splitlines(), 1):
-            bad += bad_references(line, f"{doc}:{i}")
+            fenced ^= line.lstrip().startswith("```")
+            bad += bad_references(line, f"{doc}:{i}", folder=str((REPO / doc).parent.relative_to(REPO)), code=fenced)
             bad += [f"{doc}:{i}: {m} (a developer machine's path)" for m in re.findall(r"(?<![\w.])/(?:work|home|Users)/\S+", line)]
         bad += bad_anchors(doc)
     assert bad == [], f"{len(bad)} reference(s) that do not resolve:\n" + "\n".join(bad)
@@ -185,10 +214,15 @@ def test_a_wrong_reference_is_caught():
     """The check can fail: each kind of wrong reference below is reported, each right one is not."""
     wrong = ["`diloco/outer/nothing.py`", "diloco/outer/sync.py:99999", "tests/test_docs.py::test_no_such_test",
              "`diloco.outer.sync.NoSuchThing`", "`Layout.no_such_member`", "`sync.no_such_function`",
-             "`outer.no_such_key`"]
+             "`outer.no_such_key`", "[x](no_such_page.md)", "--config.outer.no_such=1", "--config.no_such=1",
+             "DILOCO_NO_SUCH_VARIABLE", "`diloco no_such_command --x`"]
     right = ["`diloco/outer/sync.py`", "diloco/outer/sync.py:1", "tests/test_docs.py::test_a_wrong_reference_is_caught",
              "`diloco.outer.sync.OuterSync`", "`Layout.in_rules`", "`jax.lax.psum`", "`optax.sgd`",
-             "`outer.lr`", "`placement.step`", "`diloco.model.param_logical_axes`"]
+             "`outer.lr`", "`placement.step`", "`diloco.model.param_logical_axes`", "[x](README.md)",
+             "[x](https://example.com/a.md)", "--config.outer.lr=1", "--config.tau=2", "DILOCO_CACHE",
+             "`diloco train --config x`", "    diloco host 3/4: devices", "diloco and its tests"]
+    assert bad_references("diloco no_such_command --x", "x", code=True)  # a line of a code block
+    assert not bad_references("diloco and its tests", "x", code=False)
     assert [bool(bad_references(r, "x")) for r in wrong] == [True] * len(wrong)
     assert [r for r in right if bad_references(r, "x")] == []
     assert "code-map-read-15-first" in slugs((REPO / "README.md").read_text())  # how README's anchors are spelt
