@@ -5,7 +5,8 @@ starts the processes, is diloco/launch.py).
 Each child gets its place in the job from the environment and calls `jax.distributed.initialize`
 before any other JAX use (train() calls `initialize_from_env()` first). Cross-process collectives
 are JAX's CPU collectives over TCP (gloo), so the `replica` mesh axis really spans processes;
-on a multi-host TPU pod the same code path runs with the pod's own coordinator.
+on a multi-host TPU pod the same code path runs with the pod's own coordinator. Inside an srun step
+of several tasks (diloco/slurm.py) srun's variables place the process instead of these:
 
   DILOCO_COORDINATOR   host:port of process 0's coordination service
   DILOCO_NUM_PROCESSES M
@@ -14,6 +15,8 @@ on a multi-host TPU pod the same code path runs with the pod's own coordinator.
   DILOCO_COMM_DEVICE   1: every process gets a second CPU device that only runs the outer
                        exchange, so it overlaps with the inner steps (docs/distributed.md says why)
   DILOCO_CPU_DEVICES   K: CPU devices per process (`--devices_per_process K`, jax_num_cpu_devices)
+  DILOCO_LOCAL_DEVICE_IDS  0,1,…: the GPUs this process drives; `task`: GPU SLURM_LOCALID (one per process)
+  DILOCO_SLURM_PORT    the coordinator's port inside an srun step (default: from the job id, as JAX does)
   DILOCO_DISTRIBUTED   auto: a TPU pod (set by `diloco sweep --launch tpu`); also detected from the
                        multislice variables (MEGASCALE_COORDINATOR_ADDRESS) or TPU_WORKER_HOSTNAMES
                        with more than one host: `jax.distributed.initialize()` with no arguments
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any
 
 ENV_COORD, ENV_N, ENV_ID = "DILOCO_COORDINATOR", "DILOCO_NUM_PROCESSES", "DILOCO_PROCESS_ID"
 ENV_IFACE, ENV_COMM = "DILOCO_GLOO_IFACE", "DILOCO_COMM_DEVICE"
 ENV_CPU_DEVICES, ENV_AUTO = "DILOCO_CPU_DEVICES", "DILOCO_DISTRIBUTED"
+ENV_LOCAL_DEVICES = "DILOCO_LOCAL_DEVICE_IDS"
 _joined = False  # set once jax.distributed.initialize() has run in this process
 
 
@@ -65,6 +70,32 @@ def tpu_pod_env(env=None) -> bool:
     return len(hosts) > 1 and all(h.strip() and " " not in h.strip() for h in hosts)
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+
+
+def slurm_placement(env) -> dict[str, str]:
+    """srun's placement of this process as DILOCO_* variables; {} outside an srun step of several
+    tasks, or when DILOCO_* variables already place it (`diloco launch`)."""
+    need = ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_JOB_ID")
+    if ENV_N in env or not all(k in env for k in need) or int(env["SLURM_STEP_NUM_TASKS"]) <= 1:
+        return {}
+    port = env.get("DILOCO_SLURM_PORT") or str(int(env["SLURM_JOB_ID"]) % 4096 + 61440)
+    return {ENV_COORD: f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}", ENV_N: env["SLURM_STEP_NUM_TASKS"],
+            ENV_ID: env["SLURM_PROCID"]}
+
+
+def local_device_ids(env) -> list[int] | None:
+    """DILOCO_LOCAL_DEVICE_IDS as JAX's `local_device_ids` (None: JAX's default)."""
+    v = env.get(ENV_LOCAL_DEVICES, "").strip()
+    if not v:
+        return None
+    return [int(env["SLURM_LOCALID"])] if v == "task" else [int(x) for x in v.split(",")]
+
+
 def initialize_from_env() -> bool:
     """Join the job described by the environment (idempotent). False when single-process.
 
@@ -72,6 +103,7 @@ def initialize_from_env() -> bool:
     detection) both end in `jax.distributed.initialize`; afterwards num_processes()/is_primary()
     answer from JAX."""
     global _joined
+    os.environ.update(slurm_placement(os.environ))
     n = int(os.environ.get(ENV_N, "1"))
     if _joined:
         return True
@@ -109,7 +141,8 @@ def initialize_from_env() -> bool:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         if os.environ.get(ENV_CPU_DEVICES):
             jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_CPU_DEVICES]))
-    jax.distributed.initialize(os.environ[ENV_COORD], n, int(os.environ[ENV_ID]))
+    jax.distributed.initialize(os.environ[ENV_COORD], n, int(os.environ[ENV_ID]),
+                               local_device_ids=local_device_ids(os.environ))
     _joined = True
     return True
 

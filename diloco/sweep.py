@@ -32,6 +32,8 @@ from diloco.config import REPO_ROOT, check_points, make_importable, repo_path
 from diloco.errors import ConfigError
 from diloco.pointlock import LOCK, acquire_lock, release_lock
 from diloco.rundir import require_folder
+from diloco.tpu import sweep_launch
+from diloco import slurm
 
 
 # -- building points ---------------------------------------------------------------------------------
@@ -370,45 +372,6 @@ def format_table(results: list[dict]) -> str:
 
 
 # -- Cloud TPU ---------------------------------------------------------------------------------------
-def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
-    """`--launch tpu`: every check before anything is created (diloco/tpu/preflight.py), then the launch
-    bundle in a local folder (diloco/tpu/bundle.py); `launch_tpu.sh up` in it uploads and creates."""
-    from diloco.tpu import bundle, preflight
-
-    if not (args.tpu and args.zone and args.accelerator):
-        raise ConfigError("--tpu", "--launch tpu needs --tpu <name>, --zone <zone> and --accelerator <type, e.g. v5p-16>")
-    if args.max_attempts < 1:
-        raise ConfigError("--max-attempts", f"{args.max_attempts} must be ≥ 1")
-    preflight.check_names(args.tpu, args.root, sweep["name"])
-    out = Path(args.out or REPO_ROOT / "build" / "tpu" / sweep["name"] / args.tpu).resolve()
-    bundle.check_out(out, args.tpu)
-    sweep = {**sweep, "points": [p for p in sweep["points"] if args.only in p["name"]]}
-    tree = set(bundle.tree_files(exclude=out, ship=tuple(args.ship)))
-    left = bundle.untracked(exclude=out, ship=tuple(args.ship))
-    if left:
-        print(f"diloco sweep: warning: {len(left)} untracked file(s) not shipped to the pod: {', '.join(left[:5])}"
-              f"{', …' if len(left) > 5 else ''}; `git add` what the run needs, or --ship PATH", file=sys.stderr)
-    checked = preflight.check(sweep, args.root, args.accelerator, args.slices, extra, tree, args.check_fit,
-                              remote=not args.dry_run)
-    for w in dict.fromkeys(checked.warnings):
-        print(f"diloco sweep: warning: {w}", file=sys.stderr)
-    for note in checked.notes:
-        print(f"diloco sweep: {note}")
-    plan = bundle.write(out, sweep, checked, args.root, args.tpu, args.zone, args.project, extra, args.capacity,
-                        args.valid_until, args.service_account, args.network, args.subnetwork, args.internal_ips,
-                        args.max_attempts, args.teardown, args.runtime, generated_by=shlex.join(["diloco", "sweep", *argv]),
-                        ship=tuple(args.ship))
-    script = out / "launch_tpu.sh"
-    if args.dry_run:
-        print(script.read_text(), end="")
-        print(f"# dry run: nothing created, the bucket not touched (its checks skipped); the bundle is in {out}")
-        return 0
-    print(f"{len(plan['points'])} point(s) checked for {checked.slices}× {checked.slice.name}; bundle in {out}\n"
-          f"  bash {script} up       # upload it to {plan['base']}/_launch, create the queued resource, wait for ACTIVE\n"
-          f"  bash {script} status   # then: logs POINT, stop, start, down")
-    return 0
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser("diloco sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep", help="sweeps/<name>.py[:arg], e.g. sweeps/tau_alpha.py:toy")
@@ -426,36 +389,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(saves the start-up per point; a crash still only fails its point unless it kills the interpreter)")
     ap.add_argument("--points-file", help=argparse.SUPPRESS)  # JSON list of point names (pool workers)
     ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--launch", choices=("local", "tpu"), default="local")
-    tpu = ap.add_argument_group("--launch tpu (Cloud TPU queued resource; docs/distributed.md)")
-    tpu.add_argument("--tpu", help="queued resource name (also the node name, or the node prefix with --slices > 1)")
-    tpu.add_argument("--zone", help="its zone, e.g. us-east5-a")
-    tpu.add_argument("--project", default="", help="GCP project (default: gcloud's)")
-    tpu.add_argument("--accelerator", help="TPU type of one slice, e.g. v5p-16, v5litepod-16, v6e-8")
-    tpu.add_argument("--slices", type=int, default=1, help="slices (> 1: multislice, the replicas across them)")
-    tpu.add_argument("--runtime", default="", help="TPU software version (default: the generation's)")
-    cap = tpu.add_mutually_exclusive_group()
-    cap.add_argument("--spot", dest="capacity", action="store_const", const="spot", default="",
-                     help="Spot capacity (cheaper, preemptible: the agents resume the point after a repair)")
-    cap.add_argument("--reserved", dest="capacity", action="store_const", const="reserved",
-                     help="your reservation's capacity")
-    cap.add_argument("--best-effort", dest="capacity", action="store_const", const="best-effort",
-                     help="best-effort tier (gcloud alpha)")
-    tpu.add_argument("--valid-until", default="", metavar="DURATION",
-                     help="withdraw the request if not provisioned within this, e.g. 6h (--valid-until-duration)")
-    tpu.add_argument("--service-account", default="", help="the VMs' service account (default: Compute Engine's)")
-    tpu.add_argument("--network", default="", help="VPC network (default: default)")
-    tpu.add_argument("--subnetwork", default="", help="subnetwork")
-    tpu.add_argument("--internal-ips", action="store_true",
-                     help="no external IPs (the subnetwork then needs Cloud NAT and Private Google Access; ssh via IAP)")
-    tpu.add_argument("--max-attempts", type=int, default=3, help="attempts per point before it counts as failed")
-    tpu.add_argument("--teardown", action="store_true", help="delete the queued resource when every point is done")
-    tpu.add_argument("--check-fit", default="table", metavar="{table,compile,off}",
-                     help="each point's fit in HBM: from results/pod/memory.csv (default), by compiling, or not")
-    tpu.add_argument("--out", default="", help="local folder for the launch bundle (default: "
-                     "build/tpu/<sweep>/<queued resource>; a non-empty folder that is not its bundle is refused)")
-    tpu.add_argument("--ship", action="append", default=[], metavar="PATH",
-                     help="an untracked file to ship too (the tree is the tracked files as on disk)")
+    ap.add_argument("--launch", choices=("local", "tpu", "slurm"), default="local")
+    sweep_launch.add_arguments(ap)
+    slurm.add_arguments(ap)
     return ap
 
 
@@ -479,9 +415,13 @@ def main(argv: list[str]) -> int:
             print(status_table(sweep, Path(args.root), pts))
             return 0
         if args.launch == "tpu":  # its preflight checks every point for the pod
-            return launch_tpu(sweep, args, extra, argv)
+            return sweep_launch.launch_tpu(sweep, args, extra, argv)
         if not args.worker_name:  # a pool worker's parent checked them
             check_points(pts, extra)
+        if args.launch == "slurm":
+            jobs = slurm.launch(pts, sweep["name"], Path(args.root), slurm.from_args(args), extra, train_command,
+                                args.dry_run)
+            return slurm.report(jobs, Path(args.root), sweep["name"], args.dry_run)
         if args.dry_run:
             for pt in pts:
                 wd = Path(args.root) / sweep["name"] / pt["name"]

@@ -26,7 +26,7 @@ SHARED = REPO.parent / "shared"
 # one of them when its reason names libtpu or the shared folder. DILOCO_TEST_HIDE_LIBTPU=1 makes
 # `import libtpu` fail in this process, as an install without the `tpu` extra would (to check the rule).
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-MUST_RUN_IN_CI = ("libtpu", str(SHARED), "../shared")
+MUST_RUN_IN_CI = ("libtpu", str(SHARED), "../shared", "slurm-wlm")
 if os.environ.get("DILOCO_TEST_HIDE_LIBTPU") == "1":
     sys.modules["libtpu"] = None  # import fails; importlib.util.find_spec("libtpu") is None
 _CI_SKIPS: list[tuple[str, str]] = []

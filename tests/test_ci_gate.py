@@ -20,9 +20,9 @@ import pytest
 
 from conftest import REPO
 
-TIERS = ("default", "e2e", "multiprocess", "tpu")
+TIERS = ("default", "e2e", "multiprocess", "tpu", "slurm")
 MARKS = {"default": "", "e2e": "@pytest.mark.slow", "multiprocess": "@pytest.mark.slow\n@pytest.mark.multiprocess",
-         "tpu": "@pytest.mark.slow\n@pytest.mark.tpu"}
+         "tpu": "@pytest.mark.slow\n@pytest.mark.tpu", "slurm": "@pytest.mark.slow\n@pytest.mark.slurm"}
 
 
 def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable):
@@ -36,7 +36,7 @@ def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable
         [tool.pytest.ini_options]
         addopts = "{addopts}"
         testpaths = ["tests"]
-        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu"]
+        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu", "slurm: slurm"]
     """))  # our addopts: the default tier runs on pytest-xdist workers, as ours does
     (tmp_path / "tests").mkdir()
     tests = ["import os\nimport time\nimport pytest\n"]
@@ -47,6 +47,9 @@ def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable
     bin_.mkdir()
     (bin_ / "pip").write_text("#!/bin/sh\necho \"stub pip $*\" >> \"$(dirname \"$0\")/pip.log\"\n")
     (bin_ / "pip").chmod(0o755)
+    for stub in ("apt-get", "slurmctld"):  # the slurm tier's install step finds SLURM there already
+        (bin_ / stub).write_text("#!/bin/sh\nexit 0\n")
+        (bin_ / stub).chmod(0o755)
     (bin_ / "python").write_text(f"#!/bin/sh\nexec {shlex.quote(python)} \"$@\"\n")
     (bin_ / "python").chmod(0o755)
     return tmp_path
