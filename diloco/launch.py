@@ -16,15 +16,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco.distributed import ENV_AUTO, ENV_COMM, ENV_COORD, ENV_CPU_DEVICES, ENV_ID, ENV_IFACE, ENV_N
+from diloco.distributed import (ENV_AUTO, ENV_COMM, ENV_COORD, ENV_CPU_DEVICES, ENV_ID, ENV_IFACE, ENV_LOCAL_DEVICES,
+                                ENV_N)
 
 NETNS_PREFIX, NETNS_SUBNET = "dlrep", "10.77.0."
 
 
 def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: bool,
-              devices_per_process: int = 1) -> dict[str, str]:
+              devices_per_process: int = 1, gpus: int = 0) -> dict[str, str]:
     env = dict(os.environ, **{ENV_COORD: coordinator, ENV_N: str(m), ENV_ID: str(i),
                               ENV_COMM: "1" if comm_device else "0"})
+    if gpus:  # process i drives its own G/M of the machine's GPUs
+        k = gpus // m
+        env[ENV_LOCAL_DEVICES] = ",".join(str(g) for g in range(i * k, (i + 1) * k))
     env.pop(ENV_AUTO, None)
     if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
         env.pop("XLA_FLAGS")  # devices per process come from DILOCO_CPU_DEVICES, not the fake-device mesh
@@ -39,7 +43,7 @@ def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: 
 
 
 def spawn(m: int, argv: list[str], port: int, netns: bool = False, comm_device: bool = False,
-          logdir: Path | None = None, devices_per_process: int = 1) -> list[subprocess.Popen]:
+          logdir: Path | None = None, devices_per_process: int = 1, gpus: int = 0) -> list[subprocess.Popen]:
     """Start M copies of `python -m diloco.cli ARGV`; rank 0 inherits stdout/stderr."""
     host = f"{NETNS_SUBNET}1" if netns else "127.0.0.1"
     logdir = Path(logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
@@ -49,7 +53,7 @@ def spawn(m: int, argv: list[str], port: int, netns: bool = False, comm_device: 
         cmd = [sys.executable, "-m", "diloco.cli", *argv]
         if netns:
             cmd = ["ip", "netns", "exec", f"{NETNS_PREFIX}{i}", *cmd]
-        env = child_env(i, m, f"{host}:{port}", "eth0" if netns else None, comm_device, devices_per_process)
+        env = child_env(i, m, f"{host}:{port}", "eth0" if netns else None, comm_device, devices_per_process, gpus)
         out = None if i == 0 else open(logdir / f"rank{i}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
     return procs
@@ -83,6 +87,18 @@ def wait_all(procs: list[subprocess.Popen], timeout: float | None = None, grace:
     return next((rc for rc in rcs.values() if rc != 0), 0)
 
 
+def gpu_count() -> int:
+    """GPUs on this machine (`nvidia-smi -L`, within CUDA_VISIBLE_DEVICES when set); 0 without any."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def free_port() -> int:
     import socket
 
@@ -103,6 +119,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--netns", action="store_true", help="process i in namespace dlrep$i (scripts/netns.sh up M …)")
     ap.add_argument("--comm_device", action="store_true", help="a second CPU device per process for the exchange")
     ap.add_argument("--devices_per_process", type=int, default=1, help="CPU devices per process (a host's chips)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to split among the processes (default: "
+                    "this machine's, nvidia-smi -L); each process drives G/M of them")
     ap.add_argument("--logdir", default=None, help="where ranks ≥ 1 write their output (default: a temp dir)")
     args = ap.parse_args(argv[:cut])
     if args.processes < 1:
@@ -112,10 +130,15 @@ def main(argv: list[str]) -> int:
         print(f"diloco launch: --devices_per_process {args.devices_per_process} must be ≥ 1 (and 1 with "
               "--comm_device)", file=sys.stderr)
         return 2
+    gpus = gpu_count() if args.gpus is None else args.gpus
+    if gpus < 0 or (gpus and gpus % args.processes):
+        print(f"diloco launch: --gpus {gpus} cannot be split among {args.processes} processes; give a multiple of "
+              f"--processes (or --gpus 0 for CPU devices)", file=sys.stderr)
+        return 2
     port = args.port or (free_port() if not args.netns else 29500 + os.getpid() % 1000)
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
     procs = spawn(args.processes, argv[cut + 1:], port, args.netns, args.comm_device, logdir,
-                  args.devices_per_process)
+                  args.devices_per_process, gpus)
 
     requested = []
 

@@ -285,6 +285,18 @@ def test_child_env_gives_each_process_its_cpu_devices():
     assert env[dist.ENV_CPU_DEVICES] == "2" and env[dist.ENV_ID] == "3" and dist.ENV_AUTO not in env
 
 
+def test_a_gpu_machine_s_gpus_are_split_among_the_processes(monkeypatch, capsys):
+    """8 GPUs, 4 processes: each drives its own 2 (JAX's local_device_ids), none shared, none left out."""
+    ids = [dist.local_device_ids(launch.child_env(i, 4, "h:1", None, False, gpus=8)) for i in range(4)]
+    assert ids == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dist.ENV_LOCAL_DEVICES not in launch.child_env(0, 2, "h:1", None, False)  # CPU: JAX's default
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert launch.gpu_count() == 3
+    assert launch.main(["--processes", "2", "--", "train"]) == 2
+    assert capsys.readouterr().err.strip() == ("diloco launch: --gpus 3 cannot be split among 2 processes; give a "
+                                               "multiple of --processes (or --gpus 0 for CPU devices)")
+
+
 def _netns_usable() -> str | None:
     if os.geteuid() != 0:
         return "needs root for ip netns / tc"
