@@ -13,7 +13,8 @@ A checkpoint that cannot be restored is one of three things, and only the first 
   mismatch    written for another state (a leaf added, removed, reshaped or retyped) → CheckpointMismatch
   unreadable  the storage failed (OSError, a transient status) → retried with backoff, then CheckpointUnreadable
 An emptied or half-deleted step folder (no state/ or meta/) is corrupt. A save that runs out of space removes
-its temporary folder and raises DiskFull (exit 4); the previous checkpoints stay.
+its temporary folder and raises DiskFull (exit 4); the previous checkpoints stay. A killed save's temporary
+folder is removed when the run resumes (one line on stderr).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import errno
 import functools
 import json
 import os
+import sys
 import time
 import warnings
 from typing import Any
@@ -226,6 +228,23 @@ class Checkpointer:
                     last_seen = time.monotonic()
             time.sleep(0.05)
 
+    def remove_leftovers(self) -> list[str]:
+        """Removes orbax's temporary folders of saves that never finished (`<step>.orbax-checkpoint-tmp-<n>`,
+        left by a killed process), with a one-line notice; the names removed. Only the trainer's resume calls
+        it (restore with quarantine): it holds the run folder's lock, so no save of this run is in flight. A
+        finished checkpoint's folder (a plain step number) is never touched; the primary process removes."""
+        import jax
+
+        if jax.process_index() != 0:
+            return []
+        gone = sorted(p.name for p in self.dir.iterdir() if ".orbax-checkpoint-tmp" in p.name and p.is_dir())
+        for name in gone:
+            (self.dir / name).rmtree()
+        if gone:
+            print(f"diloco train: removed {len(gone)} unfinished checkpoint folder(s) of a save that was stopped: "
+                  f"{', '.join(gone)}", file=sys.stderr)
+        return gone
+
     def latest_meta(self) -> dict:
         """The sidecar of the newest checkpoint alone (no array read), {} when there is none or it cannot
         be read (restore then decides): lets a run refuse a data state it cannot continue before the
@@ -244,6 +263,8 @@ class Checkpointer:
         never shadows good checkpoints in max_to_keep. Raises, with nothing moved: CheckpointMismatch
         (written for another state), CheckpointUnreadable (the storage failed, again after the retries),
         NoUsableCheckpoint (every checkpoint is corrupt)."""
+        if quarantine:
+            self.remove_leftovers()
         corrupt = []
         for step in reversed(self.steps()):
             try:

@@ -179,13 +179,24 @@ def test_checksum_sees_one_changed_word_in_any_leaf():
     assert state_checksum(swapped) != base
 
 
-def test_interrupted_save_leaves_only_a_tmp_dir_that_is_ignored_and_overwritten(tmp_path):
-    """SIGKILL during a save: orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it when done."""
+def test_interrupted_save_leaves_a_tmp_dir_that_readers_ignore_and_resume_removes(tmp_path, capsys):
+    """SIGKILL during a save: orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it when done. A reader
+    (diloco eval: no quarantine) ignores the leftover; the trainer's resume removes it with one line on stderr,
+    every byte of the real checkpoints untouched; the step is saved again."""
     w, abstract = saved_run(tmp_path)
-    shutil.copytree(w / "ckpt" / "6", w / "ckpt" / "9.orbax-checkpoint-tmp-1234")
-    os.truncate(biggest_file(w / "ckpt" / "9.orbax-checkpoint-tmp-1234"), 10)
+    tmp = w / "ckpt" / "9.orbax-checkpoint-tmp-1234"
+    shutil.copytree(w / "ckpt" / "6", tmp)
+    os.truncate(biggest_file(tmp), 10)
+    real = lambda: {p.relative_to(w): p.read_bytes() for s in ("3", "6") for p in (w / "ckpt" / s).rglob("*") if p.is_file()}
+    before = real()
     ck, got, msgs = restore(w, abstract)
-    assert got[0] == 6 and ck.steps() == [3, 6] and not msgs
+    ck.close()
+    assert got[0] == 6 and ck.steps() == [3, 6] and not msgs and tmp.is_dir()
+    capsys.readouterr()
+    ck, got, msgs = restore(w, abstract, quarantine=True)  # as the trainer resumes
+    assert got[0] == 6 and not msgs and not tmp.exists() and real() == before
+    assert capsys.readouterr().err == ("diloco train: removed 1 unfinished checkpoint folder(s) of a save that was "
+                                       "stopped: 9.orbax-checkpoint-tmp-1234\n")
     ck.save(9, small_state(9.0), {"step": 9})
     ck.close()
     _, got, _ = restore(w, abstract)
