@@ -92,28 +92,37 @@ def test_every_tier_passing_passes_and_installs_from_the_lock(tmp_path):
     assert (p / "bin" / "pip.log").read_text() == "stub pip install -c requirements.lock -e .[test,tpu]\n"
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_a_failing_test_in_any_tier_fails_ci(tmp_path, tier):
-    r = ci_run(scratch_project(tmp_path, {tier: "assert False, 'broken on purpose'"}))
+@pytest.mark.parametrize("failing", [TIERS[0::2], TIERS[1::2]], ids=lambda t: "+".join(t))
+def test_a_failing_test_in_any_tier_fails_ci(tmp_path, failing):
+    """Every tier fails in one of the two runs, beside tiers that pass: a failing tier does not stop the
+    others from running and reporting, and is reported as failed whichever it is."""
+    r = ci_run(scratch_project(tmp_path, {t: "assert False, 'broken on purpose'" for t in failing}))
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == "ci: FAILED"
     s = summary(r)
-    assert list(s) == list(TIERS)  # a failing tier does not stop the others from running and reporting
-    assert "0 passed, 1 failed" in s[tier] and s[tier].endswith("FAILED (pytest exit 1)"), s[tier]
-    assert all(s[t].endswith("— ok") for t in TIERS if t != tier), s
+    assert list(s) == list(TIERS)
+    for t in TIERS:
+        want = "FAILED (pytest exit 1)" if t in failing else "— ok"
+        assert s[t].endswith(want) and ("0 passed, 1 failed" in s[t]) == (t in failing), s
 
 
-@pytest.mark.parametrize("tier", ["multiprocess", "e2e"])  # in the pytest process | on an xdist worker
-def test_a_tier_that_hangs_is_killed_at_its_limit_and_fails(tmp_path, tier):
-    hung = tmp_path / "hung.pid"
-    body = f"open({str(hung)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
-    r = ci_run(scratch_project(tmp_path, {tier: body}), CI_TIER_LIMIT_S="25")  # 2 xdist workers start in < 25 s
+def test_a_tier_that_hangs_is_killed_at_its_limit_and_fails(tmp_path):
+    """A hung test in the pytest process (multiprocess) and on an xdist worker (e2e): both killed, the
+    run goes on to the next tier."""
+    hung = {t: tmp_path / f"hung-{t}.pid" for t in ("multiprocess", "e2e")}
+    body = {t: f"open({str(f)!r}, 'w').write(str(os.getpid())); time.sleep(120)" for t, f in hung.items()}
+    p = scratch_project(tmp_path / "project", body)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CI"))}
+    e.update(PATH=f"{p / 'bin'}{os.pathsep}{os.environ['PATH']}", CI_TIER_LIMIT_S="25")  # xdist starts in < 25 s
+    r = subprocess.run(["bash", str(p / ".ci" / "run"), "e2e", "multiprocess", "default"], cwd=p, env=e,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     s = summary(r)
-    assert s[tier].endswith("FAILED: killed at its 25 s limit"), s
-    assert all(s[t].endswith("— ok") for t in TIERS if t != tier), s
-    pid = int(hung.read_text())  # the process running the hung test is gone, worker or not
-    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z", pid
+    assert list(s) == ["e2e", "multiprocess", "default"], s
+    assert all(s[t].endswith("FAILED: killed at its 25 s limit") for t in hung) and s["default"].endswith("— ok"), s
+    for f in hung.values():  # the process running the hung test is gone, worker or not
+        pid = int(f.read_text())
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z", pid
 
 
 def test_under_ci_a_test_skipped_for_missing_libtpu_fails(tmp_path):
