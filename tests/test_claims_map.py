@@ -44,13 +44,17 @@ def collected_tiers(tmp_path) -> dict[str, set[str]]:
 
 
 def map_rows() -> list[tuple[str, list[str], set[str]]]:
-    """(row number, tests named, tiers stated) of every table row of docs/claims.md that names a test."""
+    """(row number, tests named, tiers stated) of every table row of docs/claims.md that names a test; a
+    test of the same file as the one before it may be written `::name`."""
     rows = []
     for line in (REPO / "docs" / "claims.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 5 or not cells[0].isdigit():
             continue
-        tests = re.findall(r"tests/[\w/]+\.py::\w+", cells[3])
+        tests, path = [], ""
+        for file, name in re.findall(r"(tests/[\w/]+\.py)?::(\w+)", cells[3]):  # `::name`: the file before's
+            path = file or path
+            tests.append(f"{path}::{name}")
         stated = {t.strip() for t in cells[4].split(",") if t.strip() not in ("", "—")}
         rows.append((cells[0], tests, stated))
     return rows
