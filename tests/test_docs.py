@@ -4,7 +4,7 @@ line), a `tests/x.py::test_name`, and a code name in backticks: dotted from the 
 (`diloco.outer.sync.OuterSync`), a project class's member (`Layout.in_rules`, `OuterSync.exchange`)
 or a project module's name (`agent.main`, `sync.OuterSync`); a relative markdown link's file; a
 `--config.key=` of experiments/base.py; a `DILOCO_*` variable the code reads; a `diloco <command>` of
-diloco/cli.py. Pure Python (ast and text), nothing imported."""
+diloco/cli.py; and no history ("before #30", "used to": CHANGELOG.md's). Pure Python, nothing imported."""
 from __future__ import annotations
 
 import ast
@@ -24,6 +24,7 @@ FLAG = re.compile(r"--config\.([\w.]+)=")
 COMMAND = re.compile(r"`diloco ([a-z][a-z_]*)(?=[\s`]|$)(?! \d)")  # in code, not prose …
 CODE_LINE = re.compile(r"^\s*(?:\$ )?diloco ([a-z][a-z_]*)(?=\s|$)(?! \d)")  # … or a line of a code block
 MDLINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
+HISTORY = re.compile(r"(?<![\w/.])#\d{2,}\b|\bused to\b|\buntil 20\d\d\b|\bArchived\b|\bthe code before\b")  # → CHANGELOG
 
 
 class Index:
@@ -140,6 +141,7 @@ def bad_references(text: str, where: str, root=REPO, idx: Index | None = None, f
     resolve under `root`, as 'where: reference (why)'."""
     idx = idx or index()
     bad = []
+    bad += [f"{where}: {h} (history belongs in CHANGELOG.md)" for h in HISTORY.findall(text)]
     for target in MDLINK.findall(text):
         if not re.match(r"[a-z]+:", target) and not (root / folder / target).exists():
             bad.append(f"{where}: ({target}) (no such file)")
@@ -215,12 +217,13 @@ def test_a_wrong_reference_is_caught():
     wrong = ["`diloco/outer/nothing.py`", "diloco/outer/sync.py:99999", "tests/test_docs.py::test_no_such_test",
              "`diloco.outer.sync.NoSuchThing`", "`Layout.no_such_member`", "`sync.no_such_function`",
              "`outer.no_such_key`", "[x](no_such_page.md)", "--config.outer.no_such=1", "--config.no_such=1",
-             "DILOCO_NO_SUCH_VARIABLE", "`diloco no_such_command --x`"]
+             "DILOCO_NO_SUCH_VARIABLE", "`diloco no_such_command --x`", "as before #30", "it used to"]
     right = ["`diloco/outer/sync.py`", "diloco/outer/sync.py:1", "tests/test_docs.py::test_a_wrong_reference_is_caught",
              "`diloco.outer.sync.OuterSync`", "`Layout.in_rules`", "`jax.lax.psum`", "`optax.sgd`",
              "`outer.lr`", "`placement.step`", "`diloco.model.param_logical_axes`", "[x](README.md)",
              "[x](https://example.com/a.md)", "--config.outer.lr=1", "--config.tau=2", "DILOCO_CACHE",
-             "`diloco train --config x`", "    diloco host 3/4: devices", "diloco and its tests"]
+             "`diloco train --config x`", "    diloco host 3/4: devices", "diloco and its tests",
+             "[x](docs/distributed.md#10-a-slurm-cluster)"]
     assert bad_references("diloco no_such_command --x", "x", code=True)  # a line of a code block
     assert not bad_references("diloco and its tests", "x", code=False)
     assert [bool(bad_references(r, "x")) for r in wrong] == [True] * len(wrong)
