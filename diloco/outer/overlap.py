@@ -4,7 +4,7 @@ A fragment's exchange is dispatched at its send step on a second device per proc
 device, `diloco launch --comm_device`) and only waited for at its apply, τ inner steps later.
 XLA:CPU runs the executions of one device in order and its collectives are synchronous, so an
 exchange on the compute device would stall the inner steps behind it; on a device of its own it
-runs beside them (docs/distributed.md §2 has the measurements).
+runs beside them (measurements: results/overlap/README.md).
 
 The numbers are those of `OuterSync.send`: the same `OuterSync.delta` and keys (computed on the
 compute devices), the same `OuterSync.exchange` (encode → all-gather over `replica` → decode →
