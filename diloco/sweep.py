@@ -33,7 +33,7 @@ from diloco.errors import ConfigError
 from diloco.pointlock import LOCK, acquire_lock, release_lock
 from diloco.rundir import require_folder
 from diloco.tpu import sweep_launch
-from diloco import slurm
+from diloco import gke, slurm
 
 
 # -- building points ---------------------------------------------------------------------------------
@@ -389,9 +389,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(saves the start-up per point; a crash still only fails its point unless it kills the interpreter)")
     ap.add_argument("--points-file", help=argparse.SUPPRESS)  # JSON list of point names (pool workers)
     ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--launch", choices=("local", "tpu", "slurm"), default="local")
+    ap.add_argument("--launch", choices=("local", "tpu", "slurm", "gke"), default="local")
     sweep_launch.add_arguments(ap)
     slurm.add_arguments(ap)
+    gke.add_arguments(ap)
     return ap
 
 
@@ -422,6 +423,8 @@ def main(argv: list[str]) -> int:
             jobs = slurm.launch(pts, sweep["name"], Path(args.root), slurm.from_args(args), extra, train_command,
                                 args.dry_run)
             return slurm.report(jobs, Path(args.root), sweep["name"], args.dry_run)
+        if args.launch == "gke":
+            return gke.launch(pts, sweep["name"], args.root, args, extra, train_command)
         if args.dry_run:
             for pt in pts:
                 wd = Path(args.root) / sweep["name"] / pt["name"]
