@@ -299,16 +299,46 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         if self.primary:
             atomic_write_json(self / "summary.json", summary)
+            self._tb_hparams(summary)
+
+    def _writer(self):
+        """The run's TensorBoard writer (tb/), None for a remote folder (its files are appended in place)."""
+        if self.tb is None and not is_remote(self.root):
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.fspath(self / "tb"))
+        return self.tb
+
+    def _tb_hparams(self, summary: dict) -> None:
+        """The run's config (config.json, flattened: outer.lr, …) as TensorBoard hparams with the summary's
+        numbers as their metrics (hparam/final_eval_loss, …), in tb/hparams: the HParams tab compares runs."""
+        cfg = read_json(self / "config.json", {})
+        if is_remote(self.root) or not cfg:
+            return
+        from tensorboardX import SummaryWriter
+        from tensorboardX.summary import hparams
+
+        flat: dict[str, Any] = {}
+
+        def walk(d: dict, pre: str) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    walk(v, f"{pre}{k}.")
+                else:
+                    flat[pre + k] = v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+
+        walk(cfg, "")
+        metrics = {f"hparam/{k}": float(v) for k, v in summary.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        with SummaryWriter(os.fspath(self / "tb" / "hparams")) as tb:  # its own writer: the run's may be closed
+            for part in hparams(flat, metrics):
+                tb.file_writer.add_summary(part)
+            for k, v in metrics.items():
+                tb.add_scalar(k, v, cfg.get("steps"))
 
     def _tb_log(self, row: dict) -> None:
-        if is_remote(self.root):  # TensorBoard files are appended in place: local run folders only
+        if self._writer() is None:
             return
-        if self.tb is None:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                return
-            self.tb = SummaryWriter(os.fspath(self / "tb"))
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, row["step"])

@@ -39,25 +39,52 @@ def root(request, tmp_path):
     return os.fspath(tmp_path / "run") if request.param == "local" else request.getfixturevalue("fake_gcs")
 
 
+def tb_events(folder) -> list:
+    """The Event records of a TensorBoard folder's event files (TFRecord framing: length, crc, data, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for f in sorted(folder.glob("events*")):
+        b, i = f.read_bytes(), 0
+        while i < len(b):
+            n = struct.unpack("<Q", b[i:i + 8])[0]
+            out.append(event_pb2.Event.FromString(b[i + 12:i + 12 + n]))
+            i += 12 + n + 4
+    return out
+
+
 def test_run_folder_records_round_trip(root):
     run = rundir.RunDir(root)
     assert os.fspath(run.root) == (root if "://" in root else os.path.abspath(root))
+    cfg = json.dumps({"a": 1, "outer": {"lr": 0.4, "nesterov": True}, "steps": 3})
     run.make()
-    run.claim(json.dumps({"a": 1}))
-    run.claim(json.dumps({"a": 1}))  # the same config again: a resume
+    run.claim(cfg)
+    run.claim(cfg)  # the same config again: a resume
     with pytest.raises(ConfigError, match="workdir"):
         run.claim(json.dumps({"a": 2}))
     for step in (1, 2, 3):
         run.log({"step": step, "loss": 1.0 / step})
     run.resume_records(2)  # rows after the checkpoint's step go
     assert [r["step"] for r in rundir.read_jsonl(run / "metrics.jsonl")] == [1, 2]
-    run.write_summary({"final": 0.5})
-    assert run.summary() == {"final": 0.5}
+    run.close()  # as the trainer does: the folder (lock, TensorBoard writer) closed, then the summary written
+    run.write_summary({"final": 0.5, "method": "dp"})
+    assert run.summary() == {"final": 0.5, "method": "dp"}
     names = sorted(p.name for p in run.root.iterdir() if p.name != "tb")  # TensorBoard: local folders only
     lock = [".run.lock"] if "://" not in root else []  # the run-folder lock: local folders only
     assert names == [*lock, "config.json", "metrics.jsonl", "summary.json"]  # no temporary files left behind
-    run.close()
-    assert (run / "config.json").read_text() == json.dumps({"a": 1})
+    assert (run / "config.json").read_text() == cfg
+    if "://" not in root:  # the config as hparams, the summary's numbers as their metrics (tb/hparams)
+        from tensorboardX.proto import plugin_hparams_pb2
+
+        assert len(list((run.root / "tb").glob("events*"))) == 1  # the metrics' writer, not reopened
+        ev = {v.tag: v for e in tb_events(run.root / "tb" / "hparams") for v in e.summary.value}
+        start = plugin_hparams_pb2.HParamsPluginData.FromString(
+            ev["_hparams_/session_start_info"].metadata.plugin_data.content).session_start_info
+        assert {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {
+            "a": 1.0, "outer.lr": 0.4, "outer.nesterov": True, "steps": 3.0}
+        assert ev["hparam/final"].simple_value == 0.5 and "hparam/method" not in ev
 
 
 def test_a_non_primary_process_writes_nothing(root):
