@@ -1,0 +1,204 @@
+"""The synchronizer (`diloco syncer --config … --port …`): independent learners (diloco/learners/client.py)
+push their encoded outer gradients of a fragment's round; it merges the round when the quorum has arrived
+or the grace window ends (diloco/learners/rounds.py), weighted by tokens, steps θᵍ_p with the run's outer
+optimizer (`OuterSync.outer_step` of diloco/outer/sync.py: the code the SPMD path runs, not a copy) and
+answers every contributor with the new θᵍ_p. A joining learner gets the current θᵍ (Join).
+
+The service is grpcio with generic handlers over bytes (diloco/learners/proto.py has the frame and the
+checks). It binds to 127.0.0.1 unless --host says otherwise, and every call must carry the shared token.
+A bad message is refused with its reason (logged, counted in Stats) and the service goes on serving.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import threading
+import time
+from concurrent import futures
+
+import numpy as np
+
+from diloco.errors import ConfigError
+from diloco.learners import common, proto
+from diloco.learners.rounds import Rounds, weights
+
+
+class Synchronizer:
+    """θᵍ per fragment and its outer-optimizer state (one OuterState), the rounds, the counters."""
+
+    def __init__(self, cfg, quorum: int | None = None, grace: float | None = None, clock=time.monotonic,
+                 log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+        import jax
+
+        from diloco.trainer import Trainer
+
+        lcfg = common.learner_config(cfg)
+        self.tr = Trainer(lcfg, devices=jax.devices()[:1])
+        self.sync = self.tr.sync
+        self.outer = self.tr.fresh_state().outer  # θᵍ as every run makes it (jitted init: the same bits)
+        self.learners, P = cfg.replicas, self.sync.frags.P
+        self.expect = common.Expect(common.fingerprint(cfg), self.sync.codec.name, common.payload_layouts(self.sync))
+        self.rounds = Rounds(self.learners, P, quorum, grace)
+        self.clock, self.log = clock, log
+        self.cond = threading.Condition()
+        self.answers: dict[tuple[int, int], tuple[dict, bytes]] = {}  # (p, k) → the round's answer frame parts
+        self.rejected: collections.Counter = collections.Counter()
+        self.bytes_in = self.bytes_out = 0
+        self._jit: dict = {}
+
+    # -- the math: the SPMD path's average and outer step --------------------------------------------
+    def program(self, kind: str, p: int):
+        import jax
+        import jax.numpy as jnp
+
+        from diloco.outer import codecs
+
+        if (kind, p) not in self._jit:
+            sync, n = self.sync, self.sync.frags.sizes[p]
+            if kind == "average":  # OuterSync.exchange's arithmetic on the decoded payloads, in learner order
+                def f(payload_R, w_R):
+                    dec_Rxn = jax.vmap(lambda pl: codecs.decode(sync.codec, pl, n))(payload_R)
+                    return (dec_Rxn * w_R[:, None]).sum(0) / jnp.maximum(w_R.sum(), 1.0)
+            elif kind == "step":
+                def f(params, opt_p, avg_n):
+                    params, opt_p = sync.outer_step(params, opt_p, avg_n, p)
+                    return params, opt_p, sync.frags.flatten(params, p)
+            else:
+                raise ValueError(kind)
+            self._jit[(kind, p)] = jax.jit(f)
+        return self._jit[(kind, p)]
+
+    def merge(self, p: int, k: int) -> None:
+        """Merge round k of fragment p (under self.cond): average, outer step, the answer kept for its learners."""
+        got = self.rounds.take(p, k)
+        w = np.asarray(weights([tok for _, tok, _ in got]), np.float32)
+        payload = {name: np.stack([pl[name] for *_, pl in got]) for name in got[0][2]}
+        avg = self.program("average", p)(payload, w)
+        params, opt_p, theta_n = self.program("step", p)(self.outer.params, self.outer.opt[p], avg)
+        self.outer = self.outer.replace(params=params, opt=self.outer.opt[:p] + (opt_p,) + self.outer.opt[p + 1:])
+        theta = np.asarray(theta_n, np.float32)
+        head = {"v": proto.VERSION, "fragment": p, "round": k, "merged": [m for m, *_ in got],
+                "tokens": [int(t) for _, t, _ in got], "arrays": [["theta", "float32", list(theta.shape)]]}
+        self.answers[(p, k)] = (head, theta.tobytes())
+        self.answers.pop((p, k - 4), None)  # a learner waits for its own round only; keep a few
+        self.log(f"diloco syncer: merged fragment {p} round {k} from learners {head['merged']} "
+                 f"(tokens {head['tokens']})")
+
+    # -- the calls -------------------------------------------------------------------------------------
+    def push(self, body: bytes) -> bytes:
+        """One learner's contribution; returns (after the round merged) the frame of θᵍ_p. Rejected on a bad one."""
+        header, payload = proto.unframe(body)
+        proto.check_push(header, payload, self.expect, self.learners, len(self.expect.layouts))
+        m, p, k = header["learner"], header["fragment"], header["round"]
+        arrays = {name: np.frombuffer(b, dtype).reshape(shape)
+                  for name, (dtype, shape, b) in proto.split_payload(payload, self.expect.layout(p)).items()}
+        with self.cond:
+            self.bytes_in += len(body)
+            fresh = self.rounds.add(m, p, k, header["tokens"], arrays, self.clock())
+            if not fresh:
+                self.log(f"diloco syncer: dropped learner {m}'s fragment {p} round {k}: late, merged without it")
+            while (p, k) not in self.answers:
+                if self.rounds.due(p, k, self.clock()):
+                    self.merge(p, k)
+                    self.cond.notify_all()
+                    continue
+                end = self.rounds.deadline(p, k)
+                self.cond.wait(timeout=1.0 if end is None else min(1.0, max(end - self.clock(), 0.0) + 1e-3))
+            head, theta = self.answers[(p, k)]
+            out = proto.frame({**head, "dropped": None if fresh else "late"}, theta)
+            self.bytes_out += len(out)
+            return out
+
+    def join(self, body: bytes) -> bytes:
+        """θᵍ of every fragment (fp32, fragment order) and the last merged round per fragment."""
+        header, _ = proto.unframe(body)
+        proto.check_fields(header, {"v": int, "learner": int, "fingerprint": str})
+        if header["fingerprint"] != self.expect.fingerprint:
+            raise proto.Rejected("wrong config: this learner's config fingerprint is not the synchronizer's")
+        with self.cond:
+            flats = [np.asarray(self.sync.frags.flatten(self.outer.params, p), np.float32)
+                     for p in range(self.sync.frags.P)]
+            merged = list(self.rounds.merged)
+        head = {"v": proto.VERSION, "merged": merged,
+                "arrays": [[f"theta{p}", "float32", [len(f)]] for p, f in enumerate(flats)]}
+        return proto.frame(head, b"".join(f.tobytes() for f in flats))
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {"merges": {f"{p}/{k}": n for (p, k), n in sorted(self.rounds.merges.items())},
+                    "merged_rounds": list(self.rounds.merged), "rejected": dict(self.rejected),
+                    "dropped_late": {str(m): n for m, n in self.rounds.dropped.items()},
+                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+
+
+def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int = 0, workers: int = 32):
+    """Start the gRPC service; returns (server, bound port). Every method checks the token first."""
+    import grpc
+
+    def handler(fn):
+        def call(body, context):
+            if not proto.authorized(context.invocation_metadata(), token):
+                syncer.rejected["unauthenticated"] += 1
+                syncer.log("diloco syncer: refused a call: missing or wrong token")
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+            try:
+                return fn(body)
+            except proto.Rejected as e:
+                with syncer.cond:
+                    syncer.rejected[str(e).split(":")[0]] += 1
+                syncer.log(f"diloco syncer: refused a {fn.__name__}: {e}")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return grpc.unary_unary_rpc_method_handler(call)  # no (de)serializers: the body is bytes
+
+    biggest = max(sum(b for *_, b in lay) for lay in syncer.expect.layouts) + proto.MAX_HEADER + 4
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         options=[("grpc.max_receive_message_length", biggest)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(proto.SERVICE, {
+        "Push": handler(syncer.push), "Join": handler(syncer.join),
+        "Stats": handler(lambda body: json.dumps(syncer.stats()).encode())}),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise ConfigError("port", f"cannot bind {host}:{port} (in use?)")
+    server.start()
+    return server, bound
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="diloco syncer", description="The synchronizer of independent learners "
+                                 "(docs/distributed.md): merges fragment rounds pushed over gRPC.")
+    ap.add_argument("--config", required=True, help="the learners' run config (replicas = number of learners)")
+    ap.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--quorum", type=int, default=None, help="learners a round waits for (default: all)")
+    ap.add_argument("--grace", type=float, default=None,
+                    help="seconds after a round's first contribution before it merges with what arrived "
+                         "(default: none, wait for the quorum)")
+    ap.add_argument("--token_file", default=None, help=f"the shared token (default ${common.TOKEN_ENV})")
+    ap.add_argument("--stats", default=None, help="write the counters (JSON) here every second and at exit")
+    args, overrides = ap.parse_known_args(argv)
+    from diloco.config import load_config
+    from diloco.rundir import atomic_write_json
+
+    try:
+        token = common.read_token(args.token_file)
+        syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace)
+        server, port = serve(syncer, token, args.host, args.port)
+    except (ConfigError, ValueError) as e:
+        print(f"diloco syncer: bad input: {e}", file=sys.stderr)
+        return 2
+    print(f"diloco syncer: listening on {args.host}:{port} ({syncer.learners} learners, quorum "
+          f"{syncer.rounds.quorum}, grace {args.grace})", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+            if args.stats:
+                atomic_write_json(args.stats, syncer.stats())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop(grace=1.0)
+        if args.stats:
+            atomic_write_json(args.stats, syncer.stats())
+    return 0
