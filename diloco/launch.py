@@ -135,6 +135,12 @@ def main(argv: list[str]) -> int:
         print(f"diloco launch: --gpus {gpus} cannot be split among {args.processes} processes; give a multiple of "
               f"--processes (or --gpus 0 for CPU devices)", file=sys.stderr)
         return 2
+    if args.comm_device and gpus:
+        print(f"diloco launch: --comm_device gives each process a CPU device of its own for the exchange; with "
+              f"{gpus} GPUs it would take a GPU from training instead (the same GPU at one per process). On GPUs the "
+              "exchange rides on the next step's program (exchange=auto → in_step): drop --comm_device, or give "
+              "--gpus 0 for CPU devices", file=sys.stderr)
+        return 2
     port = args.port or (free_port() if not args.netns else 29500 + os.getpid() % 1000)
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
     procs = spawn(args.processes, argv[cut + 1:], port, args.netns, args.comm_device, logdir,

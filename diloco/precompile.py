@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco.devmem import program_peak
+
 
 def programs(tr, state, batch, key, contrib, mask, eval_args=None, inner=None) -> list[tuple]:
     """Every program a run of `tr` executes, as (name, program, arguments of its first call), in the
@@ -57,13 +59,13 @@ def run_programs(tr, state, tokens_RxBxL, eval_tokens_BxL=None) -> list[tuple[st
 def precompile(todo: list[tuple[str, Any, tuple]], workers: int | None = None,
                log: Callable[[str], None] | None = None) -> dict:
     """Lower every program of `todo` and compile them on a thread pool; one progress line, rewritten
-    ("compiling 7/12 programs, 41 s"). Returns {"programs", "seconds_wall", "workers"}."""
+    ("compiling 7/12 programs, 41 s"). Returns {"programs", "seconds_wall", "workers", "peak_bytes": {name: bytes
+    a program holds at once on one device}} (diloco/devmem.py: the GPU memory preflight)."""
     todo = [t for t in todo if hasattr(t[1], "lower")]  # a wrapped, un-jitted callable compiles at its first call
     t0 = time.time()
 
     def one(name, lowered, _):
-        lowered.compile()
-        return name
+        return name, program_peak(lowered.compile())
 
     def progress(done, total, secs):
         msg = f"compiling {done}/{total} programs, {secs:.0f} s"
@@ -72,9 +74,10 @@ def precompile(todo: list[tuple[str, Any, tuple]], workers: int | None = None,
         else:  # one line on stderr, rewritten in place, ended with the last program
             print(f"\rdiloco train: {msg}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
-    compile_parallel(todo, one, workers, progress)
+    peaks = dict(compile_parallel(todo, one, workers, progress))
     wall = time.time() - t0
-    return {"programs": len(todo), "seconds_wall": round(wall, 1), "workers": compile_workers(workers, len(todo))}
+    return {"programs": len(todo), "seconds_wall": round(wall, 1), "workers": compile_workers(workers, len(todo)),
+            "peak_bytes": peaks}
 
 
 def compile_workers(workers: int | None, n: int) -> int:

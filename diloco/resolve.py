@@ -33,12 +33,14 @@ class Plan:
     remat: str                    # none | full | save_dots
     scan: bool                    # nn.scan over the blocks
     exchange: str                 # none (dp) | blocking | in_step | comm_device
+    matmul_precision: str = "default"  # default | high | highest (or JAX_DEFAULT_MATMUL_PRECISION's): float32 matmuls
     why: dict = dataclasses.field(default_factory=dict, compare=False)  # choice → the reason, in words
     schedule: Any = dataclasses.field(default=None, compare=False)  # the outer Schedule (None for DP)
 
     def to_json(self) -> dict[str, Any]:
         return {"platform": self.platform, "devices": self.devices,
                 "mesh": dict(zip(("replica", "data", "fsdp"), self.mesh)), "attention": self.attention,
+                "matmul_precision": self.matmul_precision,
                 "remat": self.remat, "scan": self.scan, "exchange": self.exchange, "why": dict(self.why)}
 
     def lines(self) -> list[str]:
@@ -189,6 +191,30 @@ def exchange(cfg, platform: str, mesh=None, comm_devices=None, schedule=None) ->
     return "blocking", why_not + ("set in the config" if cfg.exchange == "blocking" else f"{platform}: its own program")
 
 
+def matmul_precision(cfg, platform: str) -> tuple[str, str]:
+    """The precision of float32 matmuls: `auto` keeps JAX's (JAX_DEFAULT_MATMUL_PRECISION, else its default: TF32
+    on an NVIDIA GPU, full float32 on CPU); `highest` makes a GPU run's losses match CPU's (docs/gpu.md)."""
+    want = cfg.model.get("matmul_precision", "auto")
+    if want != "auto":
+        return want, "set in the config"
+    import jax
+
+    now = jax.config.jax_default_matmul_precision
+    if now:
+        return str(now), "JAX_DEFAULT_MATMUL_PRECISION"
+    return "default", {"gpu": "GPU: float32 matmuls in TF32 (model.matmul_precision=highest for CPU parity)",
+                       "cpu": "CPU: float32 matmuls in full precision"}.get(platform, f"{platform}: JAX's default")
+
+
+def apply_matmul_precision(cfg, plan: Plan) -> None:
+    """Set JAX's matmul precision to the plan's when the config names one (`auto` leaves JAX's setting alone)."""
+    if cfg.model.get("matmul_precision", "auto") != "auto":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision",
+                          None if plan.matmul_precision == "default" else plan.matmul_precision)
+
+
 def resolve(cfg, devices, comm_devices=None) -> Plan:
     """The plan of a run of `cfg` on `devices` (the mesh's compute devices), with `comm_devices` (one
     per process, or None)."""
@@ -203,14 +229,16 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
     att, att_why = attention(cfg, platform)
     rem, rem_why = remat(cfg, platform)
     sc, sc_why = scan(cfg)
+    mp, mp_why = matmul_precision(cfg, platform)
     sched = outer_schedule(cfg)
     ex, ex_why = exchange(cfg, platform, mesh, comm_devices, sched)
     mesh_why = ("mesh.* set" if int(cfg.mesh.get("fsdp", 1)) != 0 else
                 "fsdp auto: " + ("every device on data (toy scale)" if cfg.scale in TOY_SCALES
                                  else "FSDP over every device of a replica"))
     return Plan(platform=platform, devices=len(devices), mesh=tuple(int(x) for x in shape),
-                attention=att, remat=rem, scan=sc, exchange=ex,
-                why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why},
+                attention=att, remat=rem, scan=sc, exchange=ex, matmul_precision=mp,
+                why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why,
+                     "matmul_precision": mp_why},
                 schedule=sched)
 
 

@@ -131,6 +131,7 @@ DECLARED: dict[str, object] = {
     "model.scan": OneOf(("auto", "true", "false", "True", "False", "1", "0")),
     "model.z_loss": Num(float, 0.0), "model.remat_policy": OneOf(("auto", "none", "full", "save_dots")),
     "model.attention": OneOf(("auto", "xla", "dot_product", "cudnn", "splash")),
+    "model.matmul_precision": OneOf(("auto", "default", "high", "highest")),
     "mesh.replica_axis": Num(int, 0, fix="0 (auto) or a divisor of replicas"),
     "mesh.data": Num(int, -1, fix="≥ 1, or -1 for the remaining devices"),
     "mesh.fsdp": Num(int, -1, fix="≥ 1, -1 for the remaining devices, or 0 (auto)"),

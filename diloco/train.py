@@ -318,13 +318,16 @@ class Run:
         on = want == "1" or (want != "0" and jax.local_devices()[0].platform != "cpu")
         if self.start >= self.cfg.steps or not on:
             return
+        from diloco.devmem import check_fits_device
         from diloco.precompile import precompile, run_programs
 
         tr = self.tr
         zeros = np.zeros((len(self.data_rows), self.cfg.seq_len), np.int32)  # placed as the loop places a batch
         tokens = self.dist.global_batch(zeros, self.data_rows, tr.batch_sharding, self.batch_shape)
-        precompile(run_programs(tr, self.state, tokens, self.evals[0] if self.evals else None),
-                   log=None if self.progress else (lambda msg: None))
+        got = precompile(run_programs(tr, self.state, tokens, self.evals[0] if self.evals else None),
+                         log=None if self.progress else (lambda msg: None))
+        # on a GPU, a program that would not fit the device's memory pool is refused here, before step 1
+        check_fits_device(got["peak_bytes"], tr, jax.local_devices()[0])
 
     def train(self, stop_after: int | None = None) -> dict:
         cfg = self.cfg
@@ -449,8 +452,11 @@ def main(argv: list[str]) -> int:
                          "never deleted. Without it a run resumes, or stops (exit 4) at checkpoints it cannot use")
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
+    from diloco.devmem import use_gpu_memory_fraction
     from diloco.interrupt import prompt_exit, train_lines
     from diloco.rundir import require
+
+    use_gpu_memory_fraction()  # XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 unless set, before JAX's GPU client starts
 
     try:
         require(args.workdir, "workdir")  # a gs:// folder without the filesystem installed: one line, now

@@ -84,6 +84,7 @@ class Trainer:
         self.R = 1 if self.is_dp else cfg.replicas
         devices = list(devices if devices is not None else jax.devices())
         self.plan = resolve.resolve(cfg, devices, comm_devices)  # every `auto`, once (summary.json "resolved")
+        resolve.apply_matmul_precision(cfg, self.plan)  # before anything is traced
         self.mesh = make_mesh(devices, self.plan.mesh)
         self.vocab = get_vocabulary(cfg.vocab)
         self.mcfg = model_config(cfg, padded_vocab_size(self.vocab.vocab_size), self.plan)

@@ -57,9 +57,10 @@ def get_config() -> ml_collections.ConfigDict:
     # remat_policy: none | full | save_dots | auto; attention: xla | dot_product | cudnn | splash | auto (splash
     # on TPU, cuDNN's fused kernel on GPU where dtype and head size allow, else xla); scan: true | false | auto
     # (nn.scan at the paper's scales only). remat=True is "full". Every auto is resolved once, from the config
-    # and the devices (diloco/resolve.py), and recorded in summary.json["resolved"].
+    # and the devices (diloco/resolve.py), and recorded in summary.json["resolved"]. matmul_precision: auto (JAX's:
+    # TF32 float32 matmuls on an NVIDIA GPU, full float32 on CPU) | default | high | highest (parity with CPU on GPU).
     c.model = ml_collections.ConfigDict(dict(dtype="float32", remat=False, scan="auto", z_loss=1e-4,
-                                             remat_policy="auto", attention="auto"))
+                                             remat_policy="auto", attention="auto", matmul_precision="auto"))
     # replica_axis 0: auto (M if the devices allow, else 1). Inside a replica the devices are data × fsdp
     # (one of them -1: the remaining devices); fsdp > 1 shards params, AdamW moments and the outer state.
     # rules: logical axis name → mesh axes inside a replica ("name=axis[+axis],…"; diloco/config.py mesh_rules):
