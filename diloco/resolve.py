@@ -12,6 +12,7 @@ now (a run is stale when they differ). Each choice carries the reason it was mad
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from diloco.errors import ConfigError
@@ -36,12 +37,16 @@ class Plan:
     matmul_precision: str = "default"  # default | high | highest (or JAX_DEFAULT_MATMUL_PRECISION's): float32 matmuls
     why: dict = dataclasses.field(default_factory=dict, compare=False)  # choice → the reason, in words
     schedule: Any = dataclasses.field(default=None, compare=False)  # the outer Schedule (None for DP)
+    # GPU only: the XLA_FLAGS of XLA's GPU compiler this process compiles with (diloco/compile/gpu.py's
+    # overlap flags, or the user's); recorded, not compared (the programs' numbers do not depend on them)
+    xla_flags: tuple = dataclasses.field(default=(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"platform": self.platform, "devices": self.devices,
                 "mesh": dict(zip(("replica", "data", "fsdp"), self.mesh)), "attention": self.attention,
                 "matmul_precision": self.matmul_precision,
-                "remat": self.remat, "scan": self.scan, "exchange": self.exchange, "why": dict(self.why)}
+                "remat": self.remat, "scan": self.scan, "exchange": self.exchange, "why": dict(self.why),
+                **({"xla_flags": list(self.xla_flags)} if self.xla_flags else {})}
 
     def lines(self) -> list[str]:
         """The plan as `diloco compile` prints it: one choice a line, with its reason."""
@@ -235,11 +240,12 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
     mesh_why = ("mesh.* set" if int(cfg.mesh.get("fsdp", 1)) != 0 else
                 "fsdp auto: " + ("every device on data (toy scale)" if cfg.scale in TOY_SCALES
                                  else "FSDP over every device of a replica"))
+    gpu_flags = tuple(f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_gpu_"))
     return Plan(platform=platform, devices=len(devices), mesh=tuple(int(x) for x in shape),
                 attention=att, remat=rem, scan=sc, exchange=ex, matmul_precision=mp,
                 why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why,
                      "matmul_precision": mp_why},
-                schedule=sched)
+                schedule=sched, xla_flags=gpu_flags if platform == "gpu" else ())
 
 
 # The config fields the plan resolves: `diloco sweep` compares the plans, not these fields' text.

@@ -137,9 +137,9 @@ class Run:
         from diloco.hostmem import check_fits_host
         from diloco.trainer import Trainer
 
-        from diloco.compile import use_tpu_overlap_flags
-
+        from diloco.compile import use_gpu_overlap_flags, use_tpu_overlap_flags
         use_tpu_overlap_flags()  # LIBTPU_INIT_ARGS for overlap, before libtpu starts (no-op without libtpu)
+        use_gpu_overlap_flags(need_gpu=True)  # XLA_FLAGS for the exchange's overlap on an NVIDIA GPU (else no-op)
         dist.initialize_from_env()  # multi-process (diloco launch): before any other JAX use
         self.multi = dist.num_processes() > 1
         dist.check_processes(1 if cfg.method == "dp" else cfg.replicas)

@@ -26,7 +26,7 @@ SHARED = REPO.parent / "shared"
 # one of them when its reason names libtpu or the shared folder. DILOCO_TEST_HIDE_LIBTPU=1 makes
 # `import libtpu` fail in this process, as an install without the `tpu` extra would (to check the rule).
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-MUST_RUN_IN_CI = ("libtpu", str(SHARED), "../shared", "slurm-wlm")
+MUST_RUN_IN_CI = ("libtpu", str(SHARED), "../shared", "slurm-wlm", "jax-cuda12-plugin")
 if os.environ.get("DILOCO_TEST_HIDE_LIBTPU") == "1":
     sys.modules["libtpu"] = None  # import fails; importlib.util.find_spec("libtpu") is None
 _CI_SKIPS: list[tuple[str, str]] = []
@@ -54,6 +54,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any("libtpu" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.tpu)
+        if any("jax-cuda12-plugin" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)  # CI's gpu tier installs the plugin (the gpu-aot extra)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -20,9 +20,10 @@ import pytest
 
 from conftest import REPO
 
-TIERS = ("default", "e2e", "multiprocess", "tpu", "slurm")
+TIERS = ("default", "e2e", "multiprocess", "tpu", "slurm", "gpu")
 MARKS = {"default": "", "e2e": "@pytest.mark.slow", "multiprocess": "@pytest.mark.slow\n@pytest.mark.multiprocess",
-         "tpu": "@pytest.mark.slow\n@pytest.mark.tpu", "slurm": "@pytest.mark.slow\n@pytest.mark.slurm"}
+         "tpu": "@pytest.mark.slow\n@pytest.mark.tpu", "slurm": "@pytest.mark.slow\n@pytest.mark.slurm",
+         "gpu": "@pytest.mark.slow\n@pytest.mark.gpu"}
 
 
 def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable):
@@ -36,7 +37,7 @@ def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable
         [tool.pytest.ini_options]
         addopts = "{addopts}"
         testpaths = ["tests"]
-        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu", "slurm: slurm"]
+        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu", "slurm: slurm", "gpu: gpu"]
     """))  # our addopts: the default tier runs on pytest-xdist workers, as ours does
     (tmp_path / "tests").mkdir()
     tests = ["import os\nimport time\nimport pytest\n"]
@@ -89,7 +90,8 @@ def test_every_tier_passing_passes_and_installs_from_the_lock(tmp_path):
     s = summary(r)
     assert list(s) == list(TIERS)
     assert all("1 passed, 0 failed, 0 skipped" in s[t] and s[t].endswith("— ok") for t in TIERS), s
-    assert (p / "bin" / "pip.log").read_text() == "stub pip install -c requirements.lock -e .[test,tpu]\n"
+    assert (p / "bin" / "pip.log").read_text() == ("stub pip install -c requirements.lock -e .[test,tpu]\n"
+                                                   "stub pip install -q -c requirements.lock -e .[test,tpu,gpu-aot]\n")
 
 
 @pytest.mark.parametrize("failing", [TIERS[0::2], TIERS[1::2]], ids=lambda t: "+".join(t))

@@ -369,6 +369,7 @@ def test_ref_and_pairs_compare_with_t_intervals_by_hand(tmp_path, capsys):
                      ("alpha", "tau=2,alpha=0.5"): ("tau=2,alpha=0.0", "yes")}  # −0.98, −1.46, −1.94 %: ±1.19
     md = (root / "compare.md").read_text()
     assert md.startswith("# Comparisons (--ref method=dp --pairs tau,alpha)") and "What it is: corpus" in md
+    assert "seeds n = 3 per setting; interval: gaps paired by seed, mean ± t(n−1)·SE, 95 % Student-t." in md
 
 
 @pytest.mark.parametrize("argv, says", [

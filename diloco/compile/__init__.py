@@ -1,4 +1,5 @@
-"""`diloco compile --config SPEC --topology v5e:2x2 [--slices K] [--json]`: prove a run fits a TPU slice.
+"""`diloco compile --config SPEC --topology v5e:2x2 [--slices K] [--json]`: prove a run fits a TPU slice
+(or NVIDIA GPUs: `--topology h200:1x1x8`, a node of 8 H200s, described by jax's CUDA plugin; `gpu`).
 
 On this CPU machine, libtpu describes a real TPU topology (`jax.experimental.topologies`); the
 project's own Trainer is built on those devices and each of its programs is lowered and compiled
@@ -16,8 +17,9 @@ bytes, the mesh axes its groups span, whether it crosses slices). Exit 1 when th
 
 The package, by job: `hlo` reads the compiled HLO text (collectives, trip counts, FLOPs, what the
 schedule overlaps), `overlap` holds the TPU overlap flags and the compute-utilisation model of the
-cross-slice exchange, `aot` compiles the Trainer's programs and builds the report, `paper_table` the
-per-device memory table at the paper's scales, `cli` the command line. The names below are the
+cross-slice exchange, `gpu` the GPU targets (specs, memory, overlap flags), `aot` compiles the Trainer's
+programs and builds the report, `paper_table` the per-device memory table at the paper's scales, `cli`
+the command line. The names below are the
 package's interface (`from diloco.compile import …`, `diloco.compile.main`).
 """
 
@@ -25,7 +27,9 @@ from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, INSTALL_HINT, compile_one, 
                                 eval_param_sharding, model_flops_per_step, per_chip_bytes, report, text_report,
                                 tpu_devices, trainer_programs)
 from diloco.compile.cli import main
-from diloco.compile.hlo import (annotate_overlap, computation_flops, entry_flops, hlo_computations, instruction_runs,
+from diloco.compile.gpu import (GPU_OVERLAP_FLAGS, GPU_PEAK_TFLOPS, GPU_SPECS, exchange_window, gpu_devices,
+                                gpu_hbm_bytes, gpu_usable_bytes, is_gpu_topology, use_gpu_overlap_flags)
+from diloco.compile.hlo import (annotate_overlap, computation_flops, custom_calls, entry_flops, hlo_computations, instruction_runs,
                                 op_flops, parse_collectives, scheduled_overlap, shape_bytes, slice_axes, while_trips)
 from diloco.compile.overlap import (CHIP_PEAK_TFLOPS, TPU_OVERLAP_FLAGS, exchange_collectives, overlap_report,
                                     overlapping, parse_bandwidth, predict_cu, use_tpu_overlap_flags)
@@ -42,8 +46,11 @@ __all__ = [
     "trainer_programs",
     # cli
     "main",
+    # gpu
+    "GPU_OVERLAP_FLAGS", "GPU_PEAK_TFLOPS", "GPU_SPECS", "exchange_window", "gpu_devices", "gpu_hbm_bytes",
+    "gpu_usable_bytes", "is_gpu_topology", "use_gpu_overlap_flags",
     # hlo
-    "annotate_overlap", "computation_flops", "entry_flops", "hlo_computations", "instruction_runs", "op_flops",
+    "annotate_overlap", "computation_flops", "custom_calls", "entry_flops", "hlo_computations", "instruction_runs", "op_flops",
     "parse_collectives", "scheduled_overlap", "shape_bytes", "slice_axes", "while_trips",
     # overlap
     "CHIP_PEAK_TFLOPS", "TPU_OVERLAP_FLAGS", "exchange_collectives", "overlap_report", "overlapping",

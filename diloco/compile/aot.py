@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from diloco.compile.hlo import annotate_overlap, entry_flops, parse_collectives
+from diloco.compile.gpu import exchange_window, gpu_devices, gpu_hbm_bytes, gpu_usable_bytes, is_gpu_topology
+from diloco.compile.hlo import annotate_overlap, custom_calls, entry_flops, parse_collectives
 from diloco.compile.overlap import overlap_report
 from diloco.errors import ConfigError
 from diloco.outer.driver import group_name
@@ -85,8 +86,9 @@ def compile_one(name: str, jitted, args, mesh, hlo_dir: str | None = None) -> di
     return {"program": name, "compiled": True, "compile_seconds": round(secs, 3), "memory": mem,
             "flops": float(cost.get("flops", 0.0)),  # XLA's cost analysis: a while body (nn.scan) counted once
             "hlo_flops": entry_flops(hlo),  # dots/convolutions from the HLO, loop bodies × trip count
-            # custom kernels in the program (tpu_custom_call: a Pallas/Mosaic kernel such as splash attention)
-            "custom_calls": sorted(set(re.findall(r'custom_call_target="([\w.\-]+)"', hlo))),
+            # custom kernels in the program (tpu_custom_call: a Pallas/Mosaic kernel such as splash attention;
+            # __cudnn$fmhaSoftmax…: cuDNN's fused attention — `$` is part of the name)
+            "custom_calls": custom_calls(hlo),
             "collectives": annotate_overlap(parse_collectives(hlo, mesh), hlo)}
 
 
@@ -156,21 +158,25 @@ def eval_param_sharding(tr, x, path=None):
 def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hlo_dir: str | None = None) -> dict:
     from diloco.resolve import mesh_shape
 
-    devices = tpu_devices(topology, slices)
+    chip, gpu = topology.split(":")[0], is_gpu_topology(topology)
+    if gpu and slices != 1:
+        raise ConfigError("--slices", f"{slices}: a GPU target gives its nodes in the topology (h200:1x2x8), not --slices")
+    devices = gpu_devices(topology) if gpu else tpu_devices(topology, slices)
     mesh_shape(cfg, len(devices))  # the mesh and batch fit the devices
-    hbm = CHIP_HBM_BYTES[topology.split(":")[0]]
+    hbm = gpu_hbm_bytes(chip) if gpu else CHIP_HBM_BYTES[chip]
+    limit = gpu_usable_bytes(chip) if gpu else hbm  # a GPU program gets JAX's preallocated share
     got = compile_trainer(cfg, devices, only, hlo_dir)
     tr, progs = got["trainer"], got["programs"]
     for r in progs:
         if r["compiled"]:
-            r["fits"] = r["peak_bytes_per_chip"] <= hbm
+            r["fits"] = r["peak_bytes_per_chip"] <= limit
     peak = max((r.get("peak_bytes_per_chip", 0) for r in progs), default=0)
     colls = [dict(c, program=r["program"]) for r in progs for c in r.get("collectives", [])]
     return {"topology": topology, "slices": slices, "chips": len(devices), "chip_kind": devices[0].device_kind,
-            "chip_hbm_bytes": hbm, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
+            "chip_hbm_bytes": hbm, "usable_bytes": limit, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
             "H": cfg.H, "tau": cfg.tau, "exchange": tr.driver.exchange if tr.driver is not None else "dp",
             "resolved": tr.plan.to_json(),  # every `auto` as this compile resolved it (diloco/resolve.py)
-            "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
+            "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "scale": cfg.scale, "state_bytes_per_chip": got["state_bytes_per_chip"], "peak_bytes_per_chip": peak,
             "model_flops_per_chip": (model_flops_per_step(cfg, tr.n_params) / len(devices)
                                      if tr.mcfg.scan else None),  # cost analysis undercounts a scan
@@ -228,7 +234,17 @@ def text_report(rep: dict) -> str:
     ov = overlap_report(rep)
     if ov:
         lines += ["", ov]
-    lines += ["", f"exchange {rep.get('exchange')}; LIBTPU_INIT_ARGS: {rep.get('libtpu_init_args') or '(none)'}"]
+    if is_gpu_topology(rep["topology"]):
+        lines += ["", f"usable per GPU {_gb(rep['usable_bytes'])} (XLA_PYTHON_CLIENT_MEM_FRACTION of {_gb(rep['chip_hbm_bytes'])})"]
+        for r in rep["programs"]:
+            w = exchange_window(r) if r["compiled"] and r["program"].startswith("step+send") else None
+            if w and w["collectives"]:
+                lines.append(f"  {r['program']}: replica exchange {'async' if w['async'] else 'SYNC'}, under it "
+                             f"{w['overlapped_ops']} ops, {w['overlapped_flops'] / 1e9:.3f} GFLOP "
+                             f"({100 * w['share']:.1f}% of the program's)")
+        lines += ["", f"exchange {rep.get('exchange')}; XLA_FLAGS: {rep.get('xla_flags') or '(none)'}"]
+    else:
+        lines += ["", f"exchange {rep.get('exchange')}; LIBTPU_INIT_ARGS: {rep.get('libtpu_init_args') or '(none)'}"]
     res = rep.get("resolved") or {}
     lines += [f"resolved {k}: {res[k]}" + (f"  ({res['why'][k]})" if k in res.get("why", {}) else "")
               for k in ("platform", "mesh", "attention", "remat", "scan", "exchange") if k in res]

@@ -96,6 +96,12 @@ def parse_collectives(hlo: str, mesh=None) -> list[dict]:
     return rows
 
 
+def custom_calls(hlo: str) -> list[str]:
+    """The custom-call targets of a compiled program, sorted: kernels such as `tpu_custom_call` (Pallas/Mosaic)
+    or cuDNN's fused attention, whose names carry a `$` (`__cudnn$fmhaSoftmax`)."""
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+
+
 def while_trips(rest: str, comps: dict) -> int:
     """Iterations of a while loop: XLA's known_trip_count when the backend config has it; else (libtpu's
     scheduled text drops it) the N of a condition `counter < N` with N a constant, as lax.scan/fori_loop

@@ -15,6 +15,8 @@ import numpy as np
 
 from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, compile_trainer, model_flops_per_step, tpu_devices,
                                 trainer_programs)
+from diloco.compile.gpu import (GPU_OVERLAP_FLAGS, GPU_PEAK_TFLOPS, GPU_SPECS, gpu_devices, gpu_usable_bytes,
+                                use_gpu_overlap_flags)
 from diloco.compile.overlap import TPU_OVERLAP_FLAGS, use_tpu_overlap_flags
 from diloco.errors import ConfigError
 from diloco.rundir import atomic_write_json, atomic_write_text, read_json
@@ -25,8 +27,12 @@ PAPER_METHODS = {"DP": "dp", "DiLoCo": "diloco_h30", "Streaming": "streaming_ovl
 SLICES = {"v5e": ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v5e:4x8", "v5e:8x8", "v5e:8x16", "v5e:16x16"),
           "v5p": ("v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4", "v5p:4x4x4", "v5p:4x4x8", "v5p:4x8x8"),
           "v4": ("v4:2x2x1", "v4:2x2x2", "v4:2x2x4", "v4:2x4x4", "v4:4x4x4", "v4:4x4x8", "v4:4x8x8")}
-# Peak bf16 FLOP/s per chip (Cloud TPU system architecture pages) and the MFU the step time is stated at.
-PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+# NVIDIA GPUs (`--chips h200`, rows in their own table: `--out results/gpu`): one node of 8, then 2 and 4 nodes.
+GPU_NODES = {c: (f"{c}:1x1x8", f"{c}:1x2x8", f"{c}:1x4x8") for c in GPU_SPECS}
+# Peak bf16 FLOP/s per chip (Cloud TPU system architecture pages; NVIDIA's datasheets, dense) and the MFU
+# the step time is stated at.
+PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12,
+              **{c: t * 1e12 for c, t in GPU_PEAK_TFLOPS.items()}}
 TABLE_MFU = 0.4
 TABLE_HEADROOM = 0.10
 CSV_FIELDS = ("scale", "method", "chip", "topology", "chips", "devices", "mesh", "params", "global_batch",
@@ -49,14 +55,20 @@ def compiled_kind(row: dict) -> str:
         "largest fragment" if how.startswith("run programs") else "inner+eval")
 
 
-def compiled_with(flags: list[str] | None = None) -> str:
+def compiled_with(flags: list[str] | None = None, chip: str | None = None) -> str:
     """How this process compiles a row: every program a run executes, the LIBTPU_INIT_ARGS in effect
     (`overlap flags` when every TPU_OVERLAP_FLAGS is there, as `diloco train` sets them) and the
-    jax/libtpu versions. Rows compiled otherwise are compiled again by `paper_table`."""
+    jax/libtpu versions; for a GPU chip the XLA_FLAGS of XLA's GPU compiler (GPU_OVERLAP_FLAGS) and
+    jax's CUDA plugin. Rows compiled otherwise are compiled again by `paper_table`."""
     import importlib.metadata
 
     import jax
 
+    if chip in GPU_SPECS:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_gpu_")]
+        how = "gpu overlap flags" if set(GPU_OVERLAP_FLAGS) <= set(flags) else "XLA_FLAGS=" + " ".join(flags)
+        return (f"distinct run programs, {how}; jax {jax.__version__}, "
+                f"jax-cuda12-plugin {importlib.metadata.version('jax-cuda12-plugin')}")
     flags = os.environ.get("LIBTPU_INIT_ARGS", "").split() if flags is None else flags
     extra = [f for f in flags if f not in TPU_OVERLAP_FLAGS]
     how = ("overlap flags" if set(TPU_OVERLAP_FLAGS) <= set(flags) else "no overlap flags" if not flags else
@@ -128,10 +140,11 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
     if topology is not None:
         todo = [topology]
     else:
-        usable = [t for t in SLICES[chip] if cfg.batch_size % slice_devices(t) == 0 and slice_devices(t) % R == 0]
+        slices = SLICES.get(chip) or GPU_NODES[chip]
+        usable = [t for t in slices if cfg.batch_size % slice_devices(t) == 0 and slice_devices(t) % R == 0]
         if not usable:
             raise ConfigError("batch_size", f"{cfg.batch_size} sequences split over no {chip} slice of "
-                              f"{', '.join(SLICES[chip])} with {R} replicas")
+                              f"{', '.join(slices)} with {R} replicas")
         first = next((i for i, t in enumerate(usable)
                       if estimate_bytes(cfg, n, slice_devices(t)) <= 2 * (1 - TABLE_HEADROOM) * hbm), len(usable) - 1)
         todo = usable[first:]
@@ -156,10 +169,10 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     from diloco.resolve import mesh_shape
     from diloco.trainer import Trainer
 
-    devices = tpu_devices(topology)
+    devices = gpu_devices(topology) if chip in GPU_SPECS else tpu_devices(topology)
     cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
     mesh_shape(cfg, len(devices))  # the mesh and batch fit the devices
-    how = compiled_with()
+    how = compiled_with(chip=chip)
     key = hashlib.sha256(f"{to_json(cfg)}|{topology}|{how}".encode()).hexdigest()[:16]
     where = os.path.join(cache, f"{scale}_{method}_{topology.replace(':', '-')}_{key}.json") if cache else None
     if where and read_json(where) is not None:
@@ -214,8 +227,9 @@ def parse_peaks(text: str) -> dict[str, float]:
 
 
 def device_hbm(chip: str) -> int:
-    """HBM of one JAX device: libtpu describes v4 with its two TensorCores as two devices (16 GiB each)."""
-    return CHIP_HBM_BYTES[chip] // devices_per_chip(chip)
+    """HBM of one JAX device: libtpu describes v4 with its two TensorCores as two devices (16 GiB each); a
+    GPU's is the share JAX's pool holds (XLA_PYTHON_CLIENT_MEM_FRACTION, 90% as `diloco train` sets it)."""
+    return gpu_usable_bytes(chip) if chip in GPU_SPECS else CHIP_HBM_BYTES[chip] // devices_per_chip(chip)
 
 
 def read_table(path) -> list[dict]:
@@ -242,7 +256,7 @@ def write_table(rows: list[dict], out_dir: str) -> None:
     import io
 
     order = lambda r: (PAPER_SCALES.index(r["scale"]), list(PAPER_METHODS).index(r["method"]),
-                       list(SLICES).index(r["chip"]))
+                       (list(SLICES) + list(GPU_NODES)).index(r["chip"]))
     rows = sorted(({**r, **{k: v for k, v in before(r).items() if r.get(k) in (None, "")}} for r in rows), key=order)
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\r\n")
@@ -278,6 +292,12 @@ def write_table(rows: list[dict], out_dir: str) -> None:
                   "program, for the largest fragment only); their fit is not a claim about a run (fits column "
                   "`inner+eval: …` / `largest fragment: …`). Compile them with `diloco compile --paper-table --out "
                   "results/pod` (rows already compiled as above are skipped)."]
+    if any(r["chip"] in GPU_SPECS for r in rows):
+        lines += ["", "**NVIDIA GPUs** (chips " + "/".join(GPU_SPECS) + ", slice `NAME:1xNODESx8`): compiled on a CPU host "
+                  "by jax's CUDA plugin for XLA's target spec of the GPU (diloco/compile/gpu_specs/), attention "
+                  "as the plan resolves it on GPU (cuDNN's fused kernel in bf16), with `XLA_FLAGS` = `"
+                  + " ".join(GPU_OVERLAP_FLAGS) + "` (`diloco.compile.use_gpu_overlap_flags`). *HBM GiB* of a GPU "
+                  "is what JAX's pool may hold (XLA_PYTHON_CLIENT_MEM_FRACTION: 90% of its memory, as `diloco train` sets it)."]
     lines += ["", "Headroom = 1 − peak / device HBM. TFLOP/step = model FLOPs (6·params + 12·layers·d_model·seq per "
               f"token); step time = that / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
               "v4: libtpu describes each chip as 2 devices of 16 GiB.", "",
@@ -304,9 +324,9 @@ def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER
     share it). Set the flags (`use_tpu_overlap_flags`) before libtpu starts: `paper_table_main` does."""
     os.makedirs(out_dir, exist_ok=True)
     rows = read_table(os.path.join(out_dir, "memory.csv"))
-    how = compiled_with()
-    done = {(r["scale"], r["method"], r["chip"]) for r in rows
-            if r.get("compiled_with") == how or (compiled_kind(r) == "distinct" and "distinct " + r["compiled_with"] == how)}
+    hows = {chip: compiled_with(chip=chip) for chip in chips}
+    done = {(r["scale"], r["method"], r["chip"]) for r in rows if r["chip"] in hows and (r.get("compiled_with") == hows[r["chip"]] or (
+            compiled_kind(r) == "distinct" and "distinct " + r["compiled_with"] == hows[r["chip"]]))}
     for scale in scales:
         for method in methods:
             for chip in chips:
@@ -330,7 +350,8 @@ def paper_table_main(argv: list[str]) -> int:
     ap.add_argument("--out", default="results/pod")
     ap.add_argument("--scales", default=",".join(PAPER_SCALES))
     ap.add_argument("--methods", default=",".join(PAPER_METHODS))
-    ap.add_argument("--chips", default=",".join(SLICES))
+    ap.add_argument("--chips", default=",".join(SLICES), help=f"TPU chips, or NVIDIA GPUs: {','.join(GPU_NODES)} "
+                    "(one node of 8, then 2 and 4 nodes; needs the gpu-aot extra; write them apart: --out results/gpu)")
     ap.add_argument("--spm", default=os.environ.get("DILOCO_SPM"),
                     help="the T5 SentencePiece model sentencepiece_cc_all.32000.100extra-sentencepiece.model "
                     "(only its size is used; default $DILOCO_SPM)")
@@ -345,6 +366,7 @@ def paper_table_main(argv: list[str]) -> int:
         return 2
     if not args.no_overlap_flags:
         use_tpu_overlap_flags()  # as `diloco train` does, before libtpu starts
+        use_gpu_overlap_flags()  # XLA_FLAGS before XLA's GPU compiler reads them
     cache = args.cache
     if cache is None:
         from diloco.data.specs import cache_dir
@@ -355,7 +377,7 @@ def paper_table_main(argv: list[str]) -> int:
     split = lambda s, allowed, field: [x for x in s.split(",") if x and (x in allowed or _bad(field, x, allowed))]
     try:
         rows = paper_table(args.out, args.spm, split(args.scales, PAPER_SCALES, "--scales"),
-                           split(args.methods, PAPER_METHODS, "--methods"), split(args.chips, SLICES, "--chips"),
+                           split(args.methods, PAPER_METHODS, "--methods"), split(args.chips, {**SLICES, **GPU_NODES}, "--chips"),
                            cache=cache)
     except ConfigError as e:
         print(f"diloco compile: {e}", file=sys.stderr)

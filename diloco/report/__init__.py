@@ -99,8 +99,9 @@ class _Build:
     touched: list[Path] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
 
-    def table(self, t: pd.DataFrame, name: str, title: str, notes: str, key, runs: pd.DataFrame, exts=("csv", "md")):
-        write_table(t, self.out, name, title, notes, key=key, runs=runs, root=self.root, prov=self.prov)
+    def table(self, t: pd.DataFrame, name: str, title: str, notes: str, key, runs: pd.DataFrame, exts=("csv", "md"),
+              **kw):
+        write_table(t, self.out, name, title, notes, key=key, runs=runs, root=self.root, prov=self.prov, **kw)
         self.touched += [self.out / f"{name}.{e}" for e in exts]
 
 
@@ -183,7 +184,8 @@ def _compare(b: _Build, ref: dict | None, pairs: list[str], quiet: bool) -> None
     t = compare_table(b.agg, ref, pairs)
     what = " ".join(([f"--ref {','.join(f'{k}={v}' for k, v in ref.items())}"] if ref else [])
                     + ([f"--pairs {','.join(pairs)}"] if pairs else []))
-    b.table(t, "compare", f"Comparisons ({what})", COMPARE_NOTES, None, b.df)
+    b.table(t, "compare", f"Comparisons ({what})", COMPARE_NOTES, None, b.df,
+            interval="gaps paired by seed, mean ± t(n−1)·SE, 95 % Student-t")
     if not quiet:
         print(markdown(t), end="")
 

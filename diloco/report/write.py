@@ -90,7 +90,10 @@ def _values(runs: pd.DataFrame, col: str, default=None) -> str:
     return "/".join(vals[:6]) + ("/…" if len(vals) > 6 else "") if vals else "—"
 
 
-def describe(runs: pd.DataFrame, title: str = "") -> str:
+SEED_INTERVAL = "mean ± sample std over seeds, gaps paired by seed ± 2 SE"
+
+
+def describe(runs: pd.DataFrame, title: str = "", interval: str = SEED_INTERVAL) -> str:
     """The header line saying what a table is: corpus (name + store fingerprint), vocabulary, scale, steps,
     H, α, codec, M, tokens per parameter, seeds n and the interval. Runs recorded before these columns
     existed read the defaults they ran with (data=stdlib, vocab=byte)."""
@@ -109,13 +112,12 @@ def describe(runs: pd.DataFrame, title: str = "") -> str:
     return (f"What it is: corpus `{data}`{c4} (store {fp}), vocab {_values(done, 'vocab', 'byte')}, scale "
             f"{_values(done, 'scale')}, steps {_values(done, 'steps')}, H {_values(outer, 'H')}, α "
             f"{_values(outer, 'alpha')}, codec {_values(outer, 'codec')} (DP aside), M {_values(done, 'replicas')}, tokens per "
-            f"parameter {tpp}; seeds n = {n} per setting; interval: mean ± sample std over seeds, gaps paired by "
-            "seed ± 2 SE.")
+            f"parameter {tpp}; seeds n = {n} per setting; interval: {interval}.")
 
 
 def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str = "",
                 key: tuple[str, ...] | None = None, runs: pd.DataFrame | None = None, root: Path | None = None,
-                prov: dict | None = None) -> dict:
+                prov: dict | None = None, interval: str = SEED_INTERVAL) -> dict:
     """CSV + markdown; with `key`, rows of the committed CSV not regenerated are kept; with `runs`, the
     markdown says which runs the table came from and when. Files whose text is unchanged are not
     rewritten. Returns the provenance entry."""
@@ -126,7 +128,7 @@ def write_table(df: pd.DataFrame, out: Path, name: str, title: str, notes: str =
         df, kept = merge_committed(df, out / f"{name}.csv", key)
     pv = provenance(runs if runs is not None else pd.DataFrame(), root or Path("."), kept)
     src = f"\n\n{provenance_text(pv)}" if runs is not None else ""
-    what = describe(runs, title) if runs is not None and len(runs) else ""
+    what = describe(runs, title, interval) if runs is not None and len(runs) else ""
     head = f"# {title}\n\n" + (f"{what}\n\n" if what else "")
     write_if_changed(out / f"{name}.csv", df.to_csv(index=False), atomic_write_text)
     write_if_changed(out / f"{name}.md", f"{head}{notes.strip()}{src}\n\n{markdown(df)}", atomic_write_text)
