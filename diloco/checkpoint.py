@@ -29,6 +29,10 @@ from typing import Any
 
 from diloco.noise import native_stderr_captured, silence_stderr
 
+# The training state's layout, in the sidecar of every checkpoint (none before version 2). 2: the outer
+# optimizer's state of adam/adamw/muon is shaped like each fragment's parameter subtree, not a flat vector.
+STATE_VERSION = 2
+
 
 class CheckpointError(Exception):
     """A checkpoint exists that this run cannot use; nothing was moved. The message says what to do."""
@@ -197,7 +201,7 @@ class Checkpointer:
         from diloco.rundir import code_version
 
         ocp = self._ocp
-        meta = {**meta, "state_checksum": state_checksum(state), "code": code_version()}
+        meta = {**meta, "state_checksum": state_checksum(state), "code": code_version(), "state_version": STATE_VERSION}
         try:  # a full disk makes orbax/tensorstore print ~140 tracebacks: held, and dropped for our one line
             with native_stderr_captured(replay=lambda e: e is None or not _disk_full(e)):
                 self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -331,15 +335,18 @@ class Checkpointer:
                 raise self._mismatch(step, diff)
 
     def _mismatch(self, step: int, diff: str) -> CheckpointMismatch:
-        code = {}
+        meta = {}
         try:
-            code = dict(self.mngr.restore(step, args=self._ocp.args.Composite(
-                meta=self._ocp.args.JsonRestore()))["meta"]).get("code") or {}
+            args = self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())
+            meta = dict(self.mngr.restore(step, args=args)["meta"])
         except Exception:  # a sidecar that cannot be read only loses the hint
             pass
+        code, version = meta.get("code") or {}, meta.get("state_version", 1)
         by = (f"diloco {code.get('diloco', '?')} at commit {code.get('commit') or 'unknown'}" if code
               else "an older version of diloco (before checkpoints recorded their commit)")
         how = f"git checkout {code['commit'].removesuffix('-dirty')}, " if code.get("commit") else ""
+        if meta and version != STATE_VERSION:
+            diff = f"its state is version {version}, this diloco's is version {STATE_VERSION} ({diff})"
         return CheckpointMismatch(
             f"checkpoint at step {step} in {self.dir} was written by {by} for another training state: {diff}. "
             f"Nothing was moved. Resume it with the code that wrote it ({how}same command), or start over "

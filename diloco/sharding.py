@@ -8,7 +8,8 @@ Mesh axes ("replica", "data", "fsdp"): replicas on `replica`, a replica's chips 
   batch_sharding       P("replica", ("data", "fsdp")): a replica's batch rows over its chips
   parameter leaves     `replica` on the leading axis, the rest by the logical axis rules (`mesh.rules`,
                        diloco/config.py mesh_rules) through each parameter's names (diloco/model)
-  outer flat vectors   θᵍ's optimizer state and pending Δ per fragment: over data × fsdp when they divide
+  outer state          θᵍ (and a subtree-shaped outer-optimizer state) like one replica's parameters; flat
+                       per-fragment vectors (pending Δ, nesterov's momentum) over data × fsdp when they divide
 
 `state_shardings(layout, state)` gives the shardings of a whole TrainState-shaped tree.
 """
@@ -97,9 +98,16 @@ class Layout:
         return NamedSharding(self.mesh, P(*self.logical_spec(names, tuple(shape))))
 
     def outer_param_shardings(self, tree):
-        """θᵍ-shaped tree (no replica axis) → its shardings."""
+        """θᵍ-shaped tree (no replica axis; or the outer optimizer's state over fragment subtrees: a leaf
+        named like a parameter, sliced rows of a stacked one included) → its shardings."""
         return jax.tree_util.tree_map_with_path(
             lambda p, x: self.outer_param_sharding(x.shape, self.names_at(p)), tree)
+
+    def outer_opt_sharding(self, path, x) -> NamedSharding:
+        """A leaf of the outer optimizer's state: like the parameter it is named after (a subtree-shaped
+        state, diloco/outer/sync.py OuterSync.shaped), else a flat vector's."""
+        names = self.names_at(path)
+        return self.outer_param_sharding(x.shape, names) if names else self.flat_sharding(x.shape)
 
     def flat_sharding(self, shape) -> NamedSharding:
         """Outer per-fragment flat vectors (momentum, pending Δ): over data×fsdp when they divide."""
@@ -141,6 +149,7 @@ class Layout:
             flat = lambda tree: jax.tree_util.tree_map(lambda x: self.flat_sharding(x.shape), tree)  # noqa: E731
             outer = state.outer.replace(
                 params=self.outer_param_shardings(state.outer.params),
-                opt=flat(state.outer.opt), pending=flat(state.outer.pending),
+                opt=jax.tree_util.tree_map_with_path(self.outer_opt_sharding, state.outer.opt),
+                pending=flat(state.outer.pending),
                 extra=rules.shardings(state.outer.extra, self.mesh))
         return state.replace(params=rep(state.params), opt=rep(state.opt), step=self.replicated_sharding, outer=outer)

@@ -156,6 +156,45 @@ def test_outer_adam_by_name_is_adam_by_hand(name):
         np.testing.assert_allclose(np.asarray(outer.params["block_0"]["w"]), x, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["adam", "muon"])
+def test_outer_optimizer_steps_the_fragment_subtree_as_optax_does_by_hand(name):
+    """outer.name=adam/muon: the outer state is shaped like the fragment's parameters (OuterSync.shaped),
+    so two sends + updates of a fragment of blocks 0 and 2 (and the embedding) equal optax's optimizer
+    applied by hand to the subtree of those parameters with the same averaged Δ; muon orthogonalizes
+    the (4, 3) kernels (a flat vector would have given every element to its Adam) and Adams the rest."""
+    from jax.flatten_util import ravel_pytree
+    from optax.contrib import MuonDimensionNumbers as Dims
+
+    from diloco.outer.sync import muon_matrices
+
+    rng = np.random.default_rng(0)
+    params = {"embed": {"embedding": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)},
+              **{f"block_{i}": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+                                "scale": jnp.asarray(rng.normal(size=(3,)), jnp.float32)} for i in range(3)}}
+    frags = make_fragments(params, 3, fragments=2)  # fragment 0: embed, block_0, block_2
+    tx = lambda: outer_optimizer(0.1, 0.9, name, b2=0.99)  # noqa: E731
+    sync = OuterSync(frags, codecs.make_codec("none"), tx(), 0.0, shaped=True)
+    sub = lambda t: {k: t[k] for k in ("embed", "block_0", "block_2")}  # noqa: E731
+    outer, x = sync.init(params), sub(params)
+    ref_tx = tx()
+    ref = ref_tx.init(x)
+    for t in range(2):
+        params_R = jax.tree_util.tree_map(lambda v: jnp.stack([v - 0.1 * (t + 1), v * (0.9 - 0.05 * t)]),
+                                          outer.params)
+        outer = sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2))
+        by_hand = jax.tree_util.tree_map(lambda g, r: g - r.mean(0), x, sub(params_R))
+        np.testing.assert_allclose(ravel_pytree(by_hand)[0], outer.pending[0], rtol=1e-5, atol=1e-7)  # the flat Δ
+        delta = ravel_pytree(x)[1](outer.pending[0])  # ... as the subtree (jax's unravel, not diloco's)
+        outer = sync.update(outer, 0)
+        upd, ref = ref_tx.update(delta, ref, x)
+        x = jax.tree_util.tree_map(jnp.add, x, upd)
+        for got, want in zip(jax.tree_util.tree_leaves(sub(outer.params)), jax.tree_util.tree_leaves(x)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(outer.params["block_1"]["kernel"], params["block_1"]["kernel"])  # not its fragment
+    matrices = jax.tree_util.tree_leaves(muon_matrices(x), is_leaf=lambda d: d is None or isinstance(d, Dims))
+    assert [m is not None for m in matrices] == [True, False, True, False, False]  # kernel, scale ×2, embedding
+
+
 def test_outer_names_refused_in_one_line():
     from conftest import tiny_config
     from diloco.errors import ConfigError

@@ -24,6 +24,7 @@ import pytest
 from etils import epath
 
 from conftest import REPO, tiny_config
+from diloco import checkpoint
 from diloco.checkpoint import (CheckpointMismatch, CheckpointUnreadable, Checkpointer, NoUsableCheckpoint, classify,
                                state_checksum, state_mismatch)
 from diloco.rundir import code_version
@@ -227,14 +228,20 @@ def with_leaf(tree, name: str, leaf) -> dict:
 
 
 @pytest.mark.parametrize("change,named", [
+    ("version", "its state is version 1, this diloco's is version 2 (the state has params.c that the checkpoint"),
     ("gained", "the state has params.c that the checkpoint lacks"),
     ("lost", "the checkpoint has params.b that the state lacks"),
     ("shape", "params.w is float32[4096] in the checkpoint, float32[4097] in the state"),
     ("dtype", "params.b is bfloat16[7] in the checkpoint, float32[7] in the state"),  # orbax would cast it
 ])
-def test_a_checkpoint_of_another_state_stops_naming_what_differs_and_moves_nothing(tmp_path, change, named):
+def test_a_checkpoint_of_another_state_stops_naming_what_differs_and_moves_nothing(tmp_path, change, named,
+                                                                                    monkeypatch):
+    if change == "version":  # written before checkpoints recorded their state version (version 1)
+        monkeypatch.setattr(checkpoint, "STATE_VERSION", 1)
     w, abstract = saved_run(tmp_path)
-    changed = {"gained": lambda a: with_leaf(a, "c", jax.ShapeDtypeStruct((3,), jnp.float32)),
+    monkeypatch.undo()
+    changed = {"version": lambda a: with_leaf(a, "c", jax.ShapeDtypeStruct((3,), jnp.float32)),
+               "gained": lambda a: with_leaf(a, "c", jax.ShapeDtypeStruct((3,), jnp.float32)),
                "lost": lambda a: {**a, "params": {"w": a["params"]["w"]}},
                "shape": lambda a: with_leaf(a, "w", jax.ShapeDtypeStruct((4097,), jnp.float32)),
                "dtype": lambda a: with_leaf(a, "b", jax.ShapeDtypeStruct((7,), jnp.float32))}[change](abstract)

@@ -6,7 +6,8 @@ Blocks go to fragments by `pattern`:
 Parameters outside the blocks (tied embedding, final norm) follow `embed_fragment`:
   first: with block 0's fragment · last: with block L−1's fragment · own: an extra fragment P.
 A fragment is a static list of (leaf, rows): whole leaves, or rows of the leading layer axis when
-blocks are stacked by nn.scan. `flatten` gathers them into one fp32 vector; `unflatten` scatters back.
+blocks are stacked by nn.scan. `flatten` gathers them into one fp32 vector (the wire and the pending
+slot); `unflatten` scatters back. `subtree` holds them keyed like the parameters (the outer optimizer's view).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Fragments:
     sizes: tuple[int, ...]
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
+    keys: tuple[tuple[str, ...], ...] = ()  # each leaf's path (dict keys): `subtree`'s nesting
 
     @property
     def P(self) -> int:
@@ -91,11 +93,12 @@ class Fragments:
             yield i, rows, ((starts[j], stride, len(rows)) if stride else None)
             j += 1
 
-    def flatten(self, tree, p: int, starts=None) -> jax.Array:
-        """Fragment p of one (un-replicated) parameter tree as a float32 vector (n_p,). With `starts`
-        (`starts(q)` of any fragment q of p's layout, traced) the rows are read at those starts."""
+    def pieces(self, tree, p: int, starts=None) -> list[jax.Array]:
+        """Fragment p of one (un-replicated) parameter tree as its parts, in order: whole leaves, or a
+        stacked leaf's rows (count, …). With `starts` (`starts(q)` of any fragment q of p's layout,
+        traced) the rows are read at those starts."""
         leaves = jax.tree_util.tree_leaves(tree)
-        chunks = []
+        out = []
         for i, rows, win in self._windows(p, starts):
             leaf = leaves[i]
             if rows is None:
@@ -108,32 +111,65 @@ class Fragments:
                 start, stride, count = win
                 x = jax.lax.dynamic_index_in_dim(leaf.reshape((count, stride) + leaf.shape[1:]), start, axis=1,
                                                  keepdims=False)
-            chunks.append(x.reshape(-1))
-        return jnp.concatenate([c.astype(jnp.float32) for c in chunks])
+            out.append(x)
+        return out
+
+    def flatten(self, tree, p: int, starts=None) -> jax.Array:
+        """Fragment p of one parameter tree as a float32 vector (n_p,): its `pieces` end to end."""
+        return jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in self.pieces(tree, p, starts)])
+
+    def split(self, vec: jax.Array, p: int) -> list[jax.Array]:
+        """A fragment's flat vector (n_p,) cut into its pieces' shapes (the inverse of `flatten`'s join)."""
+        out, off = [], 0
+        for i, rows in self.parts[p]:
+            shape = self.shapes[i] if rows is None else (len(rows),) + self.shapes[i][1:]
+            n = int(np.prod(shape))
+            out.append(vec[off:off + n].reshape(shape))
+            off += n
+        return out
 
     def unflatten(self, tree, p: int, vec: jax.Array, starts=None):
         """`tree` with fragment p replaced by `vec` (n_p,) (at `starts`, as in `flatten`)."""
+        return self.unpieces(tree, p, self.split(vec, p), starts)
+
+    def unpieces(self, tree, p: int, xs, starts=None):
+        """`tree` with fragment p's pieces replaced by `xs` (shaped as `pieces` gives them)."""
         leaves = list(jax.tree_util.tree_leaves(tree))
-        off = 0
-        for i, rows, win in self._windows(p, starts):
+        for (i, rows, win), x in zip(self._windows(p, starts), xs):
             leaf = leaves[i]
+            new = x.astype(leaf.dtype)
             if rows is None:
-                n = leaf.size
-                leaves[i] = vec[off:off + n].reshape(leaf.shape).astype(leaf.dtype)
+                leaves[i] = new
+            elif win is None:
+                leaves[i] = leaf.at[np.asarray(rows)].set(new)
+            elif win[1] == 1:
+                leaves[i] = jax.lax.dynamic_update_slice_in_dim(leaf, new, win[0], axis=0)
             else:
-                shape = (len(rows),) + leaf.shape[1:]
-                n = int(np.prod(shape))
-                new = vec[off:off + n].reshape(shape).astype(leaf.dtype)
-                if win is None:
-                    leaves[i] = leaf.at[np.asarray(rows)].set(new)
-                elif win[1] == 1:
-                    leaves[i] = jax.lax.dynamic_update_slice_in_dim(leaf, new, win[0], axis=0)
-                else:
-                    start, stride, count = win
-                    view = leaf.reshape((count, stride) + leaf.shape[1:])
-                    leaves[i] = jax.lax.dynamic_update_index_in_dim(view, new, start, axis=1).reshape(leaf.shape)
-            off += n
+                start, stride, count = win
+                view = leaf.reshape((count, stride) + leaf.shape[1:])
+                leaves[i] = jax.lax.dynamic_update_index_in_dim(view, new, start, axis=1).reshape(leaf.shape)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    # -- fragment p as a subtree of the parameters (the outer optimizer's view: one leaf per piece) -----
+    def subtree(self, xs, p: int) -> dict:
+        """Pieces of fragment p (`pieces` / `split`) as a nested dict keyed like the parameters."""
+        out: dict = {}
+        for (i, _), x in zip(self.parts[p], xs):
+            *head, last = self.keys[i]
+            d = out
+            for k in head:
+                d = d.setdefault(k, {})
+            d[last] = x
+        return out
+
+    def unsubtree(self, sub: dict, p: int) -> list:
+        """The pieces of fragment p from its `subtree`, in order."""
+        def at(i):
+            d = sub
+            for k in self.keys[i]:
+                d = d[k]
+            return d
+        return [at(i) for i, _ in self.parts[p]]
 
     def mask_tree(self, tree, p: int):
         """A tree of bools, True where a parameter element belongs to fragment p."""
@@ -185,4 +221,5 @@ def make_fragments(params, layers: int, layers_per_fragment: int = 0, fragments:
         if not parts[p]:
             raise ConfigError("fragments", f"fragment {p} would be empty; use fewer fragments")
     return Fragments(tuple(tuple(x) for x in parts), tuple(tuple(n) for n in names), tuple(sizes),
-                     treedef, tuple(tuple(l.shape) for _, l in flat))
+                     treedef, tuple(tuple(l.shape) for _, l in flat),
+                     tuple(tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat))

@@ -37,7 +37,8 @@ from diloco.outer.fragments import Fragments
 @struct.dataclass
 class OuterState:
     params: Any                  # θᵍ: the model's parameter tree, no replica axis
-    opt: tuple                   # one outer-optimizer (optax) state per fragment, over its flat fp32 vector
+    opt: tuple                   # one outer-optimizer (optax) state per fragment: over its flat fp32 vector
+                                 # (nesterov, sgd) or its parameter subtree (OuterSync.shaped: adam, adamw, muon)
     pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
     extra: Any = None            # the send rule's buffers (diloco/outer/rules.py Extra); None for plain sends
 
@@ -51,8 +52,23 @@ OUTER_OPTIMIZERS = {
     "adam": lambda lr, mu, b2=0.999, eps=1e-8, **_: optax.adam(lr, b1=mu, b2=b2, eps=eps),
     "adamw": lambda lr, mu, b2=0.999, eps=1e-8, weight_decay=1e-4, **_: optax.adamw(
         lr, b1=mu, b2=b2, eps=eps, weight_decay=weight_decay),
+    "muon": lambda lr, mu, b2=0.999, eps=1e-8, weight_decay=0.0, **_: optax.contrib.muon(
+        lr, beta=mu, eps=eps, weight_decay=weight_decay, adam_b1=mu, adam_b2=b2,
+        muon_weight_dimension_numbers=muon_matrices),
 }
-LINEAR = ("nesterov", "sgd")
+LINEAR = ("nesterov", "sgd")  # elementwise too: their state stays one flat vector per fragment (same numbers)
+
+
+def muon_matrices(tree):
+    """Muon's view of an outer subtree: a leaf of rank ≥ 2 is a matrix over its last two axes (leading
+    axes, nn.scan's layers, are a batch), except the token embedding; the rest (norms: rank 1) None, so
+    optax.contrib.muon gives them to its Adam."""
+    from optax.contrib import MuonDimensionNumbers
+
+    def one(path, x):
+        embed = any(getattr(k, "key", None) == "embed" for k in path)
+        return MuonDimensionNumbers(x.ndim - 2, x.ndim - 1) if x.ndim >= 2 and not embed else None
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def outer_optimizer(lr: float, momentum: float = 0.0, name: str = "nesterov", **kw) -> optax.GradientTransformation:
@@ -67,11 +83,17 @@ class OuterSync:
     tx: optax.GradientTransformation
     alpha: float
     mesh: Mesh | None = None  # None: no collectives (single device, replicas on one array axis)
+    shaped: bool = False      # the optimizer steps fragment subtrees (outer.name not in LINEAR), not flat vectors
 
     def init(self, params) -> OuterState:
-        vecs = [self.frags.flatten(params, p) for p in range(self.frags.P)]
-        return OuterState(params=params, opt=tuple(self.tx.init(v) for v in vecs),
-                          pending=tuple(jnp.zeros_like(v) for v in vecs))
+        P = range(self.frags.P)
+        view = self.subtree if self.shaped else self.frags.flatten
+        return OuterState(params=params, opt=tuple(self.tx.init(view(params, p)) for p in P),
+                          pending=tuple(jnp.zeros((self.frags.sizes[p],), jnp.float32) for p in P))
+
+    def subtree(self, params, p: int, starts=None) -> dict:
+        """Fragment p of θᵍ in fp32, keyed like the parameters: what the outer optimizer steps."""
+        return self.frags.subtree([x.astype(jnp.float32) for x in self.frags.pieces(params, p, starts)], p)
 
     def bytes_per_replica(self, p: int) -> int:
         """Bytes one replica sends for fragment p, as counted in `bytes_exchanged`: the encoding of its
@@ -174,10 +196,17 @@ class OuterSync:
         return outer.replace(params=params, opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
 
     def outer_step(self, g_params, opt_p, pending_n: jax.Array, p: int, starts=None):
-        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state)."""
-        g_n = self.frags.flatten(g_params, p, starts)
-        upd_n, opt_p = self.tx.update(pending_n, opt_p, g_n)
-        return self.frags.unflatten(g_params, p, g_n + upd_n, starts), opt_p
+        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state).
+        `shaped`: both as fragment p's subtree (the flat Δ cut to its pieces' shapes), so a matrix-aware
+        optimizer (muon) sees matrices; else both flat."""
+        if not self.shaped:
+            g_n = self.frags.flatten(g_params, p, starts)
+            upd_n, opt_p = self.tx.update(pending_n, opt_p, g_n)
+            return self.frags.unflatten(g_params, p, g_n + upd_n, starts), opt_p
+        g = self.subtree(g_params, p, starts)
+        upd, opt_p = self.tx.update(self.frags.subtree(self.frags.split(pending_n, p), p), opt_p, g)
+        new = jax.tree_util.tree_map(jnp.add, g, upd)
+        return self.frags.unpieces(g_params, p, self.frags.unsubtree(new, p), starts), opt_p
 
     def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array, starts=None):
         g_n = self.frags.flatten(outer.params, p, starts)
