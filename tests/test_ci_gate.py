@@ -20,9 +20,10 @@ import pytest
 
 from conftest import REPO
 
-TIERS = ("default", "e2e", "multiprocess", "tpu", "slurm", "gpu")
+TIERS = ("default", "e2e", "multiprocess", "tpu", "slurm", "learners", "gpu")
 MARKS = {"default": "", "e2e": "@pytest.mark.slow", "multiprocess": "@pytest.mark.slow\n@pytest.mark.multiprocess",
          "tpu": "@pytest.mark.slow\n@pytest.mark.tpu", "slurm": "@pytest.mark.slow\n@pytest.mark.slurm",
+         "learners": "@pytest.mark.slow\n@pytest.mark.learners",
          "gpu": "@pytest.mark.slow\n@pytest.mark.gpu"}
 
 
@@ -37,7 +38,7 @@ def scratch_project(tmp_path, body: dict[str, str], python: str = sys.executable
         [tool.pytest.ini_options]
         addopts = "{addopts}"
         testpaths = ["tests"]
-        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu", "slurm: slurm", "gpu: gpu"]
+        markers = ["slow: slow", "multiprocess: several processes", "tpu: libtpu", "slurm: slurm", "learners: learners", "gpu: gpu"]
     """))  # our addopts: the default tier runs on pytest-xdist workers, as ours does
     (tmp_path / "tests").mkdir()
     tests = ["import os\nimport time\nimport pytest\n"]

@@ -112,45 +112,46 @@ def test_bad_messages_are_refused_and_the_service_keeps_serving(tmp_path):
 
 
 def test_a_killed_learner_stalls_the_other_no_longer_than_the_grace_window(tmp_path):
-    """Two learner processes, quorum = both, grace 2 s: learner 1 is SIGKILLed mid-run; learner 0 finishes,
-    no step of it waits more than the grace window (+ 2 s of slack on this loaded machine) and every round is
-    merged exactly once (those after the kill from learner 0 alone)."""
-    from diloco.learners.syncer import Synchronizer, serve
+    """`diloco syncer` and two `diloco learner` processes, quorum = both, grace 2 s: learner 1 is SIGKILLed
+    mid-run; learner 0 finishes, no step of it waits more than the grace window (+ 2 s of slack on this loaded
+    machine) and every round is merged exactly once (those after the kill from learner 0 alone)."""
+    from diloco.learners.client import SyncClient
 
     over = {**BASE, **OVER, "steps": 24}
-    cfg = tiny_config("streaming", **over)
+    flags = ["--config", "experiments/toy.py:streaming", *[f"--config.{k}={v}" for k, v in over.items()]]
     grace = 2.0
-    syncer = Synchronizer(cfg, grace=grace)
-    server, port = serve(syncer, TOKEN)
     env = {**os.environ, "DILOCO_SYNC_TOKEN": TOKEN, "XLA_FLAGS": ""}
-    procs, logs = [], []
-    for m in (0, 1):
-        logs.append(open(tmp_path / f"learner{m}.log", "w"))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", "learner", "--config", "experiments/toy.py:streaming",
-             *[f"--config.{k}={v}" for k, v in over.items()], "--sync", f"grpc://127.0.0.1:{port}",
-             "--learner", str(m), "--workdir", os.fspath(tmp_path / f"learner{m}"), "--sleep", "0.2"],
-            cwd=REPO, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    cli = [sys.executable, "-m", "diloco.cli"]
+    syncer = subprocess.Popen([*cli, "syncer", *flags, "--port", "0", "--grace", str(grace)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=open(tmp_path / "syncer.log", "w"), text=True)
+    procs = [syncer]
     try:
+        line = syncer.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, (tmp_path / "syncer.log").read_text()
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        for m in (0, 1):
+            procs.append(subprocess.Popen(
+                [*cli, "learner", *flags, "--sync", f"grpc://127.0.0.1:{port}", "--learner", str(m),
+                 "--workdir", os.fspath(tmp_path / f"learner{m}"), "--sleep", "0.2"],
+                cwd=REPO, env=env, stdout=open(tmp_path / f"learner{m}.log", "w"), stderr=subprocess.STDOUT))
         metrics = tmp_path / "learner1" / "metrics.jsonl"
         deadline = time.time() + 240
         while not (metrics.exists() and len(rows(metrics)) >= 6):
-            assert procs[1].poll() is None and time.time() < deadline, (tmp_path / "learner1.log").read_text()
+            assert procs[2].poll() is None and time.time() < deadline, (tmp_path / "learner1.log").read_text()
             time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)
+        procs[2].send_signal(signal.SIGKILL)
         killed_at = len(rows(metrics))
-        assert procs[0].wait(timeout=240) == 0, (tmp_path / "learner0.log").read_text()
+        assert procs[1].wait(timeout=240) == 0, (tmp_path / "learner0.log").read_text()
+        stats = SyncClient(f"127.0.0.1:{port}", TOKEN, 0, "", timeout=30).stats()
     finally:
         for p in procs:
             p.kill()
-        server.stop(0)
     seconds = [r["seconds"] for r in rows(tmp_path / "learner0" / "metrics.jsonl")]
     assert len(seconds) == 24
     gaps = np.diff(seconds)
     print(f"learner 1 killed after step {killed_at}; learner 0's longest step after it {gaps[killed_at:].max():.2f} s, "
           f"before {gaps[:killed_at].max():.2f} s; wall {seconds[-1]:.1f} s")
     assert gaps[killed_at:].max() <= grace + 2.0
-    stats = syncer.stats()
     summary = json.loads((tmp_path / "learner0" / "summary.json").read_text())
     assert stats["merged_rounds"] == summary["rounds"]
     assert set(stats["merges"].values()) == {1} and len(stats["merges"]) == sum(summary["rounds"])

@@ -99,6 +99,9 @@ class Synchronizer:
             fresh = self.rounds.add(m, p, k, header["tokens"], arrays, self.clock())
             if not fresh:
                 self.log(f"diloco syncer: dropped learner {m}'s fragment {p} round {k}: late, merged without it")
+                if (p, k) not in self.answers:  # its answer is no longer kept: nothing to give it but a restart
+                    raise proto.Rejected(f"late: round {k} of fragment {p} was merged rounds ago (now "
+                                         f"{self.rounds.merged[p]}); restart the learner")
             while (p, k) not in self.answers:
                 if self.rounds.due(p, k, self.clock()):
                     self.merge(p, k)
