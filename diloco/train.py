@@ -316,6 +316,7 @@ class Run:
 
         want = os.environ.get("DILOCO_PRECOMPILE", "")
         on = want == "1" or (want != "0" and jax.local_devices()[0].platform != "cpu")
+        self.device_memory = None  # on a GPU: the largest program's peak and the device's bytes_limit (summary.json)
         if self.start >= self.cfg.steps or not on:
             return
         from diloco.devmem import check_fits_device
@@ -327,7 +328,7 @@ class Run:
         got = precompile(run_programs(tr, self.state, tokens, self.evals[0] if self.evals else None),
                          log=None if self.progress else (lambda msg: None))
         # on a GPU, a program that would not fit the device's memory pool is refused here, before step 1
-        check_fits_device(got["peak_bytes"], tr, jax.local_devices()[0])
+        self.device_memory = check_fits_device(got["peak_bytes"], tr, jax.local_devices()[0])
 
     def train(self, stop_after: int | None = None) -> dict:
         cfg = self.cfg
@@ -402,6 +403,8 @@ class Run:
         })
         if cfg.downstream.tasks:
             summary["downstream"] = self.downstream(drained, write=False)
+        if getattr(self, "device_memory", None):
+            summary["device_memory"] = self.device_memory
         self.run.write_summary(summary)
         print(self.host_line(tokens_read[self.dist.process_index()]), file=sys.stderr, flush=True)
         return summary
