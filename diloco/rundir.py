@@ -200,6 +200,28 @@ def code_version() -> dict:
     return {"diloco": __version__, "commit": sha}
 
 
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_changes(old: dict, new: dict, defaults: dict) -> list[str]:
+    """'key: old → new' for every dotted key whose value differs between a run's record and a config,
+    retired keys left out; a key the record lacks is no change when the new value is its default."""
+    o, n, d = flat(old), flat(new), flat(defaults)
+    missing = object()
+    out = []
+    for k in sorted(o.keys() | n.keys()):
+        if k.split(".")[0] in RETIRED_KEYS or (k not in o and k in d and n.get(k) == d[k]):
+            continue
+        a, b = o.get(k, missing), n.get(k, missing)
+        if a != b:
+            out.append(f"{k}: {'(none)' if a is missing else json.dumps(a)} → {'(none)' if b is missing else json.dumps(b)}")
+    return out
+
+
 class RunDir:
     """One run's folder. `primary=False` (every process but 0 of a multi-process run) writes nothing."""
 
@@ -256,14 +278,17 @@ class RunDir:
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self.lock_fd = HELD[key] = fd  # held until close() or the end of the process
 
-    def claim(self, cfg_json: str) -> None:
-        """Write config.json, or check that the folder holds a run of this same config."""
+    def claim(self, cfg_json: str, defaults_json: str = "{}") -> None:
+        """Write config.json, or check that the folder holds a run of this same config. A key the record
+        lacks (added to the code since) counts as the same when the new value is its default."""
         from diloco.errors import ConfigError
 
         old = read_json(self / "config.json")
-        if old is not None and {k: v for k, v in old.items() if k not in RETIRED_KEYS} != json.loads(cfg_json):
-            raise ConfigError("workdir", f"{self.root} holds a run with a different config; use a new --workdir "
-                              "or delete it (diff the two config.json files to see what changed)")
+        changed = [] if old is None else config_changes(old, json.loads(cfg_json), json.loads(defaults_json))
+        if changed:
+            shown = "; ".join(changed[:3]) + (f"; +{len(changed) - 3} more" if len(changed) > 3 else "")
+            raise ConfigError("workdir", f"{self.root} holds a run with a different config ({shown}); use a new "
+                              "--workdir or delete it")
         if self.primary and old is None:  # an older record (retired keys included) is kept as it was written
             atomic_write_text(self / "config.json", cfg_json)
 

@@ -129,7 +129,7 @@ class Run:
 
         from diloco import distributed as dist
         from diloco.checkpoint import Checkpointer
-        from diloco.config import to_json
+        from diloco.config import load_spec, to_json
         from diloco.data import eval_batches, train_batches
         from diloco.eval.benchmarks import check_downstream
         from diloco.faults import Faults
@@ -151,7 +151,7 @@ class Run:
         check_fits_host(tr)  # on CPU: a state bigger than this host's memory is refused, nothing allocated
         self.run = RunDir(workdir, primary=dist.is_primary())
         self.run.make()
-        self.run.claim(to_json(cfg))
+        self.run.claim(to_json(cfg), to_json(load_spec("experiments/base.py")))  # a key added since: its default
         if fresh:  # the previous checkpoints and records are kept, out of the way, never deleted
             aside = self.run.set_aside()
             dist.allgather(np.int32(0))  # every process waits for process 0's move before reading ckpt/

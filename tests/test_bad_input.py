@@ -260,9 +260,24 @@ def test_resuming_a_workdir_with_a_different_config(tmp_path):
     from diloco.train import train
 
     (tmp_path / "config.json").write_text(to_json(tiny_config("dp", steps=5)))
-    with pytest.raises(ConfigError, match=r"holds a run with a different config; use a new --workdir") as e:
+    with pytest.raises(ConfigError, match=r"holds a run with a different config \(steps: 5 → 6\); use a new "
+                                          r"--workdir") as e:
         train(tiny_config("dp", steps=6), tmp_path, progress=False)
     assert e.value.field == "workdir"
+
+
+def test_a_key_added_to_the_code_since_a_run_is_no_change_at_its_default():
+    """A record written before a key existed resumes when the new config has that key at its default
+    (the old code behaved as the default does); at another value it is a change, named."""
+    from diloco.rundir import config_changes
+
+    defaults = {"model": {"matmul_precision": "auto", "scan": "auto"}, "steps": 10}
+    old = {"model": {"scan": "auto"}, "steps": 10, "data_readers": 4}  # data_readers: retired
+    assert config_changes(old, {"model": {"matmul_precision": "auto", "scan": "auto"}, "steps": 10}, defaults) == []
+    assert config_changes(old, {"model": {"matmul_precision": "highest", "scan": "auto"}, "steps": 10}, defaults) == [
+        'model.matmul_precision: (none) → "highest"']
+    assert config_changes({**old, "gone": 1}, {"model": {"scan": "auto"}, "steps": 12}, defaults) == [
+        "gone: 1 → (none)", "steps: 10 → 12"]
 
 
 def test_malformed_eval_items_of_every_benchmark_name_file_and_line(tmp_path):
