@@ -73,6 +73,9 @@ def gpu_usable_bytes(chip: str, env=None) -> int:
 
 
 def cuda_plugin_installed() -> bool:
+    """jax's CUDA plugin (12 or 13) is importable; False without one (no `jax_plugins` package at all)."""
+    if importlib.util.find_spec("jax_plugins") is None:  # find_spec of a submodule imports its parent
+        return False
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
 
 
