@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eager_rounds = 1
     c.error_feedback = False       # each replica re-sends what its codec dropped (a residual per fragment)
 
-    # the outer optimizer by name: nesterov (the paper's) | sgd | adam | adamw (diloco/outer/sync.py
+    # the outer optimizer by name: nesterov (the paper's) | sgd | adam | adamw | muon (diloco/outer/sync.py
     # OUTER_OPTIMIZERS); momentum is Adam's b1; b2, eps, weight_decay are Adam's / AdamW's
     c.outer = ml_collections.ConfigDict(dict(name="nesterov", lr=0.4, momentum=0.9, b2=0.999, eps=1e-8,
                                              weight_decay=1e-4))

@@ -90,6 +90,7 @@ BAD = [
         r"2 does not divide the 1 devices of one replica", devices=2),
     Bad("replica_axis", {"mesh.replica_axis": 3}, "mesh.replica_axis", r"3 must divide both the 1 devices and replicas=2",
         devices=1),
+    Bad("eager_rounds_without_eager", {"eager_rounds": 2}, "eager_rounds", r"eager_rounds=2 needs eager=naive"),
     Bad("error_feedback_on_dp", {"error_feedback": True}, "error_feedback",
         r"applies to the outer exchange of method=diloco or streaming, not dp", method="dp"),
     # fault knobs

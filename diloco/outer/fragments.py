@@ -152,7 +152,8 @@ class Fragments:
 
     # -- fragment p as a subtree of the parameters (the outer optimizer's view: one leaf per piece) -----
     def subtree(self, xs, p: int) -> dict:
-        """Pieces of fragment p (`pieces` / `split`) as a nested dict keyed like the parameters."""
+        """Pieces of fragment p (`pieces` / `split`) as a nested dict keyed like the parameters; its
+        leaves (`jax.tree_util.tree_leaves`) are the pieces in order, as the parameters' dicts are sorted."""
         out: dict = {}
         for (i, _), x in zip(self.parts[p], xs):
             *head, last = self.keys[i]
@@ -161,15 +162,6 @@ class Fragments:
                 d = d.setdefault(k, {})
             d[last] = x
         return out
-
-    def unsubtree(self, sub: dict, p: int) -> list:
-        """The pieces of fragment p from its `subtree`, in order."""
-        def at(i):
-            d = sub
-            for k in self.keys[i]:
-                d = d[k]
-            return d
-        return [at(i) for i, _ in self.parts[p]]
 
     def mask_tree(self, tree, p: int):
         """A tree of bools, True where a parameter element belongs to fragment p."""

@@ -206,7 +206,7 @@ class OuterSync:
         g = self.subtree(g_params, p, starts)
         upd, opt_p = self.tx.update(self.frags.subtree(self.frags.split(pending_n, p), p), opt_p, g)
         new = jax.tree_util.tree_map(jnp.add, g, upd)
-        return self.frags.unpieces(g_params, p, self.frags.unsubtree(new, p), starts), opt_p
+        return self.frags.unpieces(g_params, p, jax.tree_util.tree_leaves(new), starts), opt_p
 
     def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array, starts=None):
         g_n = self.frags.flatten(outer.params, p, starts)
