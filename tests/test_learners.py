@@ -70,6 +70,16 @@ def test_the_token_is_compared_whole():
         assert not proto.authorized(bad, tok)
 
 
+def test_a_learners_own_token_names_it_and_only_it():
+    secret = "s3cret-token-0123456789"
+    bearer = lambda tok: [("authorization", f"Bearer {tok}")]
+    assert proto.caller(bearer(secret), secret, learners=3) == proto.ANY
+    assert [proto.caller(bearer(proto.learner_token(secret, m)), secret, 3) for m in range(3)] == [0, 1, 2]
+    assert proto.caller(bearer(proto.learner_token(secret, 3)), secret, 3) is None  # no learner 3
+    assert proto.caller(bearer(proto.learner_token("another-secret-0123", 0)), secret, 3) is None
+    assert len({proto.learner_token(secret, m) for m in range(3)}) == 3
+
+
 def test_token_weights_by_hand():
     assert weights([256, 256]) == [1.0, 1.0]  # equal learners: exactly the SPMD path's weights
     w = weights([100, 300])  # Σ w·x / Σ w with x = (1, 3): (1/3 + 3) / (4/3) = 2.5 = (100·1 + 300·3) / 400

@@ -100,7 +100,11 @@ def test_bad_messages_are_refused_and_the_service_keeps_serving(tmp_path):
     assert theta.shape == (syncer.sync.frags.sizes[0],)
     assert "replayed" in refused(proto.frame({**head, "learner": 0}, body[len(proto.frame(head)):]),
                                  grpc.StatusCode.INVALID_ARGUMENT)
-    h, _ = good.answer(SyncClient(f"127.0.0.1:{port}", TOKEN, 1, common.fingerprint(cfg)).push(0, 1, 64, "e3m0", zeros))
+    own = (("authorization", f"Bearer {proto.learner_token(TOKEN, 1)}"),)  # learner 1's own token
+    assert "forbidden" in refused(proto.frame({**head, "learner": 0}, body[len(proto.frame(head)):]),
+                                  grpc.StatusCode.INVALID_ARGUMENT, meta=own)  # cannot push learner 0's
+    one = SyncClient(f"127.0.0.1:{port}", proto.learner_token(TOKEN, 1), 1, common.fingerprint(cfg))
+    h, _ = one.answer(one.push(0, 1, 64, "e3m0", zeros))
     assert h["dropped"] == "late" and h["merged"] == [0]  # learner 1 was late for round 1: dropped, answered
     h, _ = good.answer(good.push(0, 2, 64, "e3m0", zeros))
     assert h["round"] == 2
@@ -108,7 +112,7 @@ def test_bad_messages_are_refused_and_the_service_keeps_serving(tmp_path):
     server.stop(0)
     assert stats["merges"] == {"0/1": 1, "0/2": 1} and stats["dropped_late"] == {"1": 1}
     assert stats["rejected"] == {"unauthenticated": 1, "malformed header": 1, "oversized header": 1, "wrong shape": 1, "wrong config": 1,
-                                 "replayed": 1}
+                                 "replayed": 1, "forbidden": 1}
 
 
 def test_a_killed_learner_stalls_the_other_no_longer_than_the_grace_window(tmp_path):

@@ -18,7 +18,8 @@ codec's own bytes either way):
     Stats   → {merges: {"p/k": count}, rejected: {reason: count}, ...}
 
 Authentication: gRPC metadata `authorization: Bearer <token>`, compared in constant time
-(`hmac.compare_digest`). What is refused (each a `Rejected` with a one-line reason the syncer logs):
+(`hmac.compare_digest`): the shared secret, or learner m's own token (`learner_token`, an HMAC of the secret),
+which may push only learner m's contributions. What is refused (each a `Rejected` with a one-line reason the syncer logs):
 a frame that does not parse, a header over MAX_HEADER bytes, a payload whose arrays are not exactly the
 expected names / dtypes / shapes for that fragment and codec, a config fingerprint or codec other than
 the syncer's, an unknown learner or fragment, a round that is not positive, and a replay (the same
@@ -26,6 +27,7 @@ learner, fragment and round twice).
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import struct
@@ -119,3 +121,20 @@ def authorized(metadata, token: str) -> bool:
     """True when the call's metadata carries `authorization: Bearer <token>` (constant-time compare)."""
     got = dict(metadata or ()).get("authorization", "")
     return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+
+ANY = -1  # the shared token's holder: may push for any learner (tests, an operator)
+
+
+def learner_token(secret: str, m: int) -> str:
+    """Learner m's own credential, derived from the shared secret: it can push only learner m's contributions."""
+    return hmac.new(secret.encode(), f"diloco-learner-{m}".encode(), hashlib.sha256).hexdigest()
+
+
+def caller(metadata, secret: str, learners: int) -> int | None:
+    """Who the call's token is: ANY (the shared secret), a learner id (its derived token), or None."""
+    who = None
+    for m, tok in [(ANY, secret)] + [(m, learner_token(secret, m)) for m in range(learners)]:
+        if authorized(metadata, tok):  # every candidate compared: the time does not say which one matched
+            who = m
+    return who

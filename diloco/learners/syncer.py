@@ -87,11 +87,14 @@ class Synchronizer:
                  f"(tokens {head['tokens']})")
 
     # -- the calls -------------------------------------------------------------------------------------
-    def push(self, body: bytes) -> bytes:
-        """One learner's contribution; returns (after the round merged) the frame of θᵍ_p. Rejected on a bad one."""
+    def push(self, body: bytes, who: int = proto.ANY) -> bytes:
+        """One learner's contribution; returns (after the round merged) the frame of θᵍ_p. Rejected on a bad one.
+        `who`: the caller's credential (proto.caller): a learner's token pushes only its own contributions."""
         header, payload = proto.unframe(body)
         proto.check_push(header, payload, self.expect, self.learners, len(self.expect.layouts))
         m, p, k = header["learner"], header["fragment"], header["round"]
+        if who not in (proto.ANY, m):
+            raise proto.Rejected(f"forbidden: learner {who}'s token cannot push learner {m}'s contribution")
         arrays = {name: np.frombuffer(b, dtype).reshape(shape)
                   for name, (dtype, shape, b) in proto.split_payload(payload, self.expect.layout(p)).items()}
         with self.cond:
@@ -114,7 +117,7 @@ class Synchronizer:
             self.bytes_out += len(out)
             return out
 
-    def join(self, body: bytes) -> bytes:
+    def join(self, body: bytes, who: int = proto.ANY) -> bytes:
         """θᵍ of every fragment (fp32, fragment order) and the last merged round per fragment."""
         header, _ = proto.unframe(body)
         proto.check_fields(header, {"v": int, "learner": int, "fingerprint": str})
@@ -137,17 +140,19 @@ class Synchronizer:
 
 
 def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int = 0, workers: int = 32):
-    """Start the gRPC service; returns (server, bound port). Every method checks the token first."""
+    """Start the gRPC service; returns (server, bound port). Every method checks the token first: the shared
+    secret `token` or a learner's own (proto.learner_token)."""
     import grpc
 
     def handler(fn):
         def call(body, context):
-            if not proto.authorized(context.invocation_metadata(), token):
+            who = proto.caller(context.invocation_metadata(), token, syncer.learners)
+            if who is None:
                 syncer.rejected["unauthenticated"] += 1
                 syncer.log("diloco syncer: refused a call: missing or wrong token")
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
             try:
-                return fn(body)
+                return fn(body, who)
             except proto.Rejected as e:
                 with syncer.cond:
                     syncer.rejected[str(e).split(":")[0]] += 1
@@ -160,7 +165,7 @@ def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int =
                          options=[("grpc.max_receive_message_length", biggest)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(proto.SERVICE, {
         "Push": handler(syncer.push), "Join": handler(syncer.join),
-        "Stats": handler(lambda body: json.dumps(syncer.stats()).encode())}),))
+        "Stats": handler(lambda body, who: json.dumps(syncer.stats()).encode())}),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise ConfigError("port", f"cannot bind {host}:{port} (in use?)")
@@ -179,6 +184,9 @@ def main(argv: list[str]) -> int:
                     help="seconds after a round's first contribution before it merges with what arrived "
                          "(default: none, wait for the quorum)")
     ap.add_argument("--token_file", default=None, help=f"the shared token (default ${common.TOKEN_ENV})")
+    ap.add_argument("--learner_token", type=int, default=None, metavar="M",
+                    help="print learner M's own token (derived from the shared one; it can push only M's "
+                         "contributions: give it to that learner as its --token_file) and exit")
     ap.add_argument("--stats", default=None, help="write the counters (JSON) here every second and at exit")
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
@@ -186,6 +194,9 @@ def main(argv: list[str]) -> int:
 
     try:
         token = common.read_token(args.token_file)
+        if args.learner_token is not None:
+            print(proto.learner_token(token, args.learner_token))
+            return 0
         syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace)
         server, port = serve(syncer, token, args.host, args.port)
     except (ConfigError, ValueError) as e:
