@@ -54,7 +54,7 @@ def test_gpu_overlap_flags_keep_what_the_user_set(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # the plugin is installed
     got = G.use_gpu_overlap_flags(env)
     assert got[0] == "--xla_gpu_experimental_parallel_collective_overlap_limit=1"  # the user's, kept
-    assert set(got[1:]) == set(G.GPU_OVERLAP_FLAGS) - {"--xla_gpu_experimental_parallel_collective_overlap_limit=4"}
+    assert set(got[1:]) == set(G.GPU_OVERLAP_FLAGS) - {"--xla_gpu_experimental_parallel_collective_overlap_limit=8"}
     assert env["XLA_FLAGS"].split()[0] == "--xla_force_host_platform_device_count=8"
     assert G.use_gpu_overlap_flags(env) == got and env["XLA_FLAGS"].count("pgle") == 1  # idempotent
     monkeypatch.setattr(G.glob, "glob", lambda pattern: [])  # `diloco train` on a machine without a GPU

@@ -10,7 +10,7 @@ early as its latency estimate asks, and lets one collective be in flight at a ti
 exchange's all-gather (NVLink speed) was covered by the optimizer alone, and the gradient reductions
 and the layer loops' own collectives kept it from staying open over the step: it was issued after the
 forward and backward passes. GPU_OVERLAP_FLAGS price async all-gathers at a slow link's latency and let
-four collectives be in flight; `diloco train` (on a machine with an NVIDIA GPU) and `diloco
+eight collectives be in flight; `diloco train` (on a machine with an NVIDIA GPU) and `diloco
 compile` set them in XLA_FLAGS (use_gpu_overlap_flags), as they set TPU_OVERLAP_FLAGS in
 LIBTPU_INIT_ARGS, and the resolved plan records them on GPU."""
 
@@ -35,14 +35,15 @@ GPU_AOT_HINT = ("diloco compile for a GPU target needs jax's CUDA plugin (no GPU
                 "pip install -c requirements.lock -e '.[gpu-aot]'")
 # The in-step exchange's overlap (measured on the compiled toy and 35M step+send for 8 H200s, CHANGELOG #41):
 # the latency profile prices every async all-gather at 100 ms (gpu_specs/exchange_latency.pbtxt: XLA's
-# own estimate, NVLink speed, is covered by the optimizer alone), and four collectives may be in flight
+# own estimate, NVLink speed, is covered by the optimizer alone), and eight collectives may be in flight
 # at once (by default one: the all-gather cannot stay open across the gradient reductions or a layer
 # loop that runs collectives). 35M step+send 0: the profile alone 0% of the dots under the exchange, with
-# a limit of 2 14%, 3 84% (the backward loop), 4 100% (both loops); the toy's 100% from a limit of 4.
+# a limit of 2 14%, 3 84% (the backward loop), 4 100% (both loops); 1B (two exchange all-gathers, the
+# payload and the replica weight): 4 1.4%, 6 74%, 8 100%; the toy's 100% from a limit of 4.
 EXCHANGE_PROFILE = SPECS_DIR / "exchange_latency.pbtxt"
 GPU_OVERLAP_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_experimental_parallel_collective_overlap_limit=4",
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=8",
     f"--xla_gpu_pgle_profile_file_or_directory_path={EXCHANGE_PROFILE}",
 )
 
