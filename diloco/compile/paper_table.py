@@ -15,6 +15,7 @@ import numpy as np
 
 from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, compile_trainer, model_flops_per_step, tpu_devices,
                                 trainer_programs)
+from diloco.config import REPO_ROOT
 from diloco.compile.gpu import (GPU_OVERLAP_FLAGS, GPU_PEAK_TFLOPS, GPU_SPECS, gpu_devices, gpu_usable_bytes,
                                 use_gpu_overlap_flags)
 from diloco.compile.overlap import TPU_OVERLAP_FLAGS, use_tpu_overlap_flags
@@ -296,7 +297,8 @@ def write_table(rows: list[dict], out_dir: str) -> None:
         lines += ["", "**NVIDIA GPUs** (chips " + "/".join(GPU_SPECS) + ", slice `NAME:1xNODESx8`): compiled on a CPU host "
                   "by jax's CUDA plugin for XLA's target spec of the GPU (diloco/compile/gpu_specs/), attention "
                   "as the plan resolves it on GPU (cuDNN's fused kernel in bf16), with `XLA_FLAGS` = `"
-                  + " ".join(GPU_OVERLAP_FLAGS) + "` (`diloco.compile.use_gpu_overlap_flags`). *HBM GiB* of a GPU "
+                  + " ".join(GPU_OVERLAP_FLAGS).replace(str(REPO_ROOT) + "/", "")
+                  + "` (`diloco.compile.use_gpu_overlap_flags`). *HBM GiB* of a GPU "
                   "is what JAX's pool may hold (XLA_PYTHON_CLIENT_MEM_FRACTION: 90% of its memory, as `diloco train` sets it)."]
     lines += ["", "Headroom = 1 − peak / device HBM. TFLOP/step = model FLOPs (6·params + 12·layers·d_model·seq per "
               f"token); step time = that / (chips × peak bf16 FLOP/s × {TABLE_MFU:.0%} MFU). "
