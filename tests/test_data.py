@@ -127,7 +127,7 @@ def test_every_spec_is_read_through_its_store_tokenized_once(monkeypatch):
     assert len(s.files) == n and read_manifest(path)["splits"]["train"]["docs"] == len(specs.file_split(spec, "train"))
     first = tasks.tokenize_shard(spec, "byte", "train", 0, n)[0][:3 * 64].astype(np.int32)
     assert np.array_equal(s.rows([0, 1, 2], 64).reshape(-1), first)
-    monkeypatch.setattr(tasks, "tokenize_shard", lambda *a: pytest.fail("tokenized again"))
+    monkeypatch.setattr(tasks, "shard_chunks", lambda *a: pytest.fail("tokenized again"))
     it = TokenBatches("stdlib", "byte", 64, 8, seed=3)
     batches = [next(it) for _ in range(4)]
     for t, b in enumerate(batches):

@@ -287,6 +287,46 @@ def test_tokenize_on_two_processes_gives_the_same_store(st, corpus, tmp_path):
     assert man["fingerprint"] == store.read_manifest(st)["fingerprint"]
 
 
+@pytest.mark.parametrize("seqio_only", [False, True])
+def test_a_worker_holds_one_chunk_not_its_shard_and_the_store_is_unchanged(st, corpus, tmp_path, monkeypatch, seqio_only):
+    """Streaming: each part is written chunk by chunk (a byte block of CHUNK_BYTES, or BATCH_DOCS documents of
+    the seqio Task), so the most tokens a worker holds is one chunk, a small share of its ~1 MiB part, and the
+    bytes (the fingerprint) are those of the store made with the default chunks."""
+    from diloco.data import tasks
+
+    monkeypatch.setattr(tasks, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tasks, "BATCH_DOCS", 1)
+    if seqio_only:
+        monkeypatch.setenv("DILOCO_SEQIO_ONLY", "1")
+    man = store.tokenize(corpus, "byte", str(tmp_path / "s"), workers=1, progress=False)
+    assert man["fingerprint"] == store.read_manifest(st)["fingerprint"]
+    metas = [json.loads(p.read_text()) for p in sorted((tmp_path / "s" / "train").glob("*.json"))]
+    from diloco.data import specs
+
+    longest = max(os.path.getsize(f) for f in specs.parse_data(corpus).files)
+    bound = longest + 1 if seqio_only else 4096  # one document (its bytes + EOS), or one block
+    assert len(metas) > 1 and all(m["most_tokens_held"] <= bound < m["tokens"] / 2 for m in metas), metas
+
+
+@pytest.mark.parametrize("ram_gib, cpus, asked, want", [(96, 96, None, 64), (40.5, 96, None, 27), (40.5, 96, 96, 27),
+                                                         (40.5, 96, 8, 8), (0.5, 4, None, 1), (8, 2, None, 2), (8, 2, 6, 5)])
+def test_workers_default_to_every_core_and_are_capped_by_memory(ram_gib, cpus, asked, want):
+    """At most one worker per 1.5 GiB (store.WORKER_RAM) of available memory: an n2-highcpu-96 runs 64, not 96."""
+    n, note = store.size_workers(asked, int(ram_gib * 2**30), cpus)
+    assert n == want and (note is not None) == bool(asked and asked > want)
+    assert store.available_ram() > 0
+
+
+def test_an_unwritable_out_fails_in_one_line_before_tokenizing(corpus, tmp_path, monkeypatch):
+    from diloco.data import tasks
+
+    monkeypatch.setattr(tasks, "shard_chunks", lambda *a: pytest.fail("tokenized before the probe"))
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ConfigError, match=r"cannot write the token store at .*f/s.*--scopes=cloud-platform") as e:
+        store.tokenize(corpus, "byte", str(tmp_path / "f" / "s"), workers=1, progress=False)
+    assert "\n" not in str(e.value) and e.value.field == "out"
+
+
 # -- gs:// (the storage emulator) ------------------------------------------------------------------------
 def test_a_store_on_gcs_is_written_and_read(gcs, st, corpus):
     url = gcs.url("stores", "t")
@@ -298,6 +338,8 @@ def test_a_store_on_gcs_is_written_and_read(gcs, st, corpus):
         assert np.array_equal(next(local), next(remote))
     remote.close()
     store.check_store(url, "byte", 128)
+    with pytest.raises(ConfigError, match="cannot write the token store at 'gs://no-such-bucket-x/s'"):
+        store.tokenize(corpus, "byte", "gs://no-such-bucket-x/s", workers=1, progress=False)
 
 
 # -- mixing: a source-sorted JSONL corpus ----------------------------------------------------------------

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     t.add_argument("--data_dir", default=None)
     t.add_argument("--out", required=True, help="the store: a local folder or gs://bucket/path")
     t.add_argument("--splits", default="train,validation")
-    t.add_argument("--workers", type=int, default=0, help="processes (default: every core)")
+    t.add_argument("--workers", type=int, default=0, help="processes (default: every core; at most one per 1.5 GiB of available memory)")
     i = sub.add_parser("info", help="print a store's manifest")
     i.add_argument("store")
     c = sub.add_parser("check", help="the preflight check: manifest present, vocabulary and seq_len fit")

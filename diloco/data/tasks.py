@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -116,37 +117,52 @@ def _add_task(spec: specs.Spec, vocab: str, name: str):
     return seqio.TaskRegistry.add(name, source=source, output_features=features, preprocessors=prep, shuffle_buffer_size=None)
 
 
-def _byte_shard(files: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """seqio.ByteVocabulary + append_eos on whole files, without TensorFlow: UTF-8 bytes + 3, then EOS (1)."""
-    docs = [np.frombuffer(open(f, "rb").read(), np.uint8).astype(np.uint16) + 3 for f in files]
-    docs = [np.append(d, np.uint16(1)) for d in docs]
-    tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint16)
-    return tokens, np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+_NO_ENDS = np.zeros(0, np.int64)
+CHUNK_BYTES = 1 << 20  # byte-vocab files are read in blocks of this many bytes (= tokens)
+BATCH_DOCS = 256  # seqio path: documents per chunk (a C4 document is ~480 T5 tokens, the longest few ×10⁵)
 
 
-def tokenize_shard(spec: specs.Spec, vocab: str, split: str, index: int, num: int) -> tuple[np.ndarray, np.ndarray]:
-    """Documents of one shard, in source order, as (tokens, offsets): doc i = tokens[offsets[i]:offsets[i+1]] (EOS-terminated).
+def _byte_chunks(files: list[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """seqio.ByteVocabulary + append_eos on whole files, without TensorFlow: UTF-8 bytes + 3, then EOS (1);
+    read CHUNK_BYTES at a time, so a file of any size is never held whole."""
+    for f in files:
+        with open(f, "rb") as fh:
+            while block := fh.read(CHUNK_BYTES):
+                yield np.frombuffer(block, np.uint8).astype(np.uint16) + 3, _NO_ENDS
+        yield np.ones(1, np.uint16), np.ones(1, np.int64)
+
+
+def shard_chunks(spec: specs.Spec, vocab: str, split: str, index: int, num: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Documents of one shard, in source order, as a stream of (tokens, ends): the shard's tokens are the
+    concatenation of the chunks, each document followed by EOS; `ends` are the positions in this chunk just
+    after a document's EOS. At most one chunk (≤ CHUNK_BYTES or BATCH_DOCS documents) is held at a time.
 
     Byte-vocab file corpora (stdlib, text:) skip TensorFlow (a cold TF import costs ~7-12 s on 2 cores);
     set DILOCO_SEQIO_ONLY=1 to force the seqio Task; tests check both give identical tokens.
     """
     if spec.kind in ("stdlib", "text") and vocab == "byte" and os.environ.get("DILOCO_SEQIO_ONLY") != "1":
-        return _byte_shard(specs.file_split(spec, split)[index::num])  # same files, order, ids as the seqio Task
+        yield from _byte_chunks(specs.file_split(spec, split)[index::num])  # same files, order, ids as the seqio Task
+        return
     import seqio
 
     task = get_task(spec, vocab)
     ds = task.get_dataset(sequence_length=None, split=split, shuffle=False, shard_info=seqio.ShardInfo(index, num),
                           num_epochs=1, trim_output_features=False, try_in_mem_cache=False)
-    ds = ds.map(lambda x: x["targets"]).ragged_batch(1024)
+    ds = ds.map(lambda x: x["targets"]).ragged_batch(BATCH_DOCS)
     from tqdm import tqdm
 
-    chunks, lengths = [], []
     desc = f"tokenizing {spec.data} {split} shard {index + 1}/{num}"
-    for rb in tqdm(ds, desc=desc, unit=" x1024 docs", delay=5, leave=False):
-        chunks.append(rb.flat_values.numpy())
-        lengths.append(rb.row_lengths().numpy())
-    vocab_size = get_vocabulary(vocab).vocab_size
-    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.int32
-    tokens = np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype)
-    lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    return tokens, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    for rb in tqdm(ds, desc=desc, unit=f" x{BATCH_DOCS} docs", delay=5, leave=False):
+        yield rb.flat_values.numpy(), np.cumsum(rb.row_lengths().numpy()).astype(np.int64)
+
+
+def tokenize_shard(spec: specs.Spec, vocab: str, split: str, index: int, num: int) -> tuple[np.ndarray, np.ndarray]:
+    """One shard whole, as (tokens, offsets): doc i = tokens[offsets[i]:offsets[i+1]] (for tests and small shards;
+    the store writes shard_chunks as they come)."""
+    chunks, offsets, n = [], [np.zeros(1, np.int64)], 0
+    for tokens, ends in shard_chunks(spec, vocab, split, index, num):
+        chunks.append(tokens)
+        offsets.append(n + ends)
+        n += len(tokens)
+    dtype = chunks[0].dtype if chunks else np.uint16
+    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype)), np.concatenate(offsets)
