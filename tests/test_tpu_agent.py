@@ -154,6 +154,48 @@ def test_plan_errors_name_the_field(tmp_path):
         A.Agent(plan, 1, 0, tmp_path / "w")
 
 
+def test_status_shows_steps_time_on_the_pod_eta_cost_and_eval_loss_and_a_finished_pod_still_billing(tmp_path):
+    """By hand: 2 × v5p-16 = 16 chips × $4.20 (on-demand list price) = $67.20/h. a finished after 3600 s on the pod
+    → $67.20. b: attempt 1 ran 600 s, attempt 2 since 6000 s (now 7800 s) → 2400 s, $44.80; 500 s for 250 of
+    1000 steps → ETA 750 × 2 s = 0:25:00; its last eval loss 3.5 (the last row has none). c has not started."""
+    base = tmp_path / "sweep"
+    plan = read_json(_plan(base, ["a", "b", "c"], slices=2))
+    L, now = S.Layout(str(base)), 7800.0
+    for name, st, steps, rows in [
+            ("a", {"state": "finished", "attempt": 1, "attempts": {"1": {"started": 1000, "ended": 4600}}}, 100,
+             [{"step": 100, "seconds": 3000.0, "eval_loss": 2.9}]),
+            ("b", {"state": "running", "attempt": 2, "attempts": {"1": {"started": 5000, "ended": 5600, "result": "failed",
+             "reason": "x"}, "2": {"started": 6000}}}, 1000, [{"step": 100, "seconds": 200.0, "eval_loss": 3.5},
+                                                              {"step": 250, "seconds": 500.0, "train_loss": 3.4}])]:
+        atomic_write_json(L.status(name), st)
+        atomic_write_json(L.go(name, st["attempt"]), {"attempt": st["attempt"], "time": 0})
+        atomic_write_json(base / name / "config.json", {"steps": steps})
+        atomic_write_text(base / name / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_json(base / "a" / "summary.json", {"final_eval_loss": 2.9, "params_sha256": "ab" * 32})
+    rep = S.collect(str(base), now=now)
+    a, b, c = rep["points"]
+    assert rep["per_hour"] == pytest.approx(67.2) and (a["on_pod_s"], b["on_pod_s"], c["on_pod_s"]) == (3600, 2400, 0)
+    assert (b["step"], b["steps"], b["eta_s"], b["eval_loss"]) == (250, 1000, 1500.0, 3.5) and "step" not in c
+    text = S.render(rep)
+    assert "pod cost $67.20/h: 16 chips × $4.20/chip-h (on-demand list price of 2025-06; an estimate)" in text
+    assert "      step 100/100  on pod 1:00:00  $67.20  eval_loss 2.9\n" in text
+    assert "      step 250/1000  on pod 0:40:00  ETA 0:25:00  $44.80  eval_loss 3.5\n" in text
+    assert "still billing" not in text and S.billing_line(rep) is None
+    # every point ended: the queued resource, when launch_tpu.sh passes its state, or fresh heartbeats say it bills
+    for name in ("b", "c"):
+        atomic_write_json(L.status(name), {"state": "failed", "attempt": 0, "reason": "r", "attempts": {}})
+    assert "still ACTIVE: the pod is still billing ≈ $67.20/h" in S.render(S.collect(str(base), now=now, qr_state="ACTIVE"))
+    assert S.billing_line(S.collect(str(base), now=now, qr_state="absent")) is None
+    assert S.billing_line(S.collect(str(base), now=now)) is None  # no host heartbeats
+    atomic_write_json(L.beat("0-0"), {"state": "done", "time": time.time()})
+    assert "1 host(s) still send heartbeats" in S.billing_line(S.collect(str(base)))
+    # spot: no price in the table, so the cost is n/a unless --price gives one
+    atomic_write_json(base / "_launch" / "plan.json", {**plan, "capacity": "spot"})
+    rep = S.collect(str(base), now=now)
+    assert rep["per_hour"] is None and "pod cost n/a: no spot price for v5p" in S.render(rep) and "$—" in S.render(rep)
+    assert S.collect(str(base), now=now, price=1.5)["per_hour"] == pytest.approx(24.0)
+
+
 # -- agents as processes ---------------------------------------------------------------------------------
 # The stand-in for `diloco train` on one host: records when it ran, fails where told, SIGTERM → exit 130
 # (as train does after saving a checkpoint); process 0 writes summary.json when it ends well.

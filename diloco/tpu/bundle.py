@@ -39,6 +39,7 @@ of truth (ask for a key by editing it here and saying so in the commit message):
   stop_grace_s     after SIGTERM (abort/stop), SIGKILL the training process after this many seconds
   teardown         true: the leader deletes the queued resource once every point is finished or failed
   service_account  the VMs' account (--service-account; "": the project's default compute account)
+  capacity         "" (on-demand) | spot | reserved | best-effort: how the pod is bought (status prices it)
   env              extra environment of every training process, e.g. JAX_COMPILATION_CACHE_DIR on the bucket
   boot_wait_s      the leader fails a point (naming the host and its last boot-log lines) when a host has
                    sent no heartbeat this long after the leader's agent started
@@ -278,7 +279,7 @@ def write(out: Path, sweep: dict, checked, root: str, qr: str, zone: str, projec
             "tree": {"url": f"{launch}/{tar.name}", "sha256": tree_sha}, "lock_sha256": lock_sha,
             "source": git_source(), "points": points, "max_attempts": max_attempts, "lost_after_s": lost_after_s,
             "stop_grace_s": stop_grace_s, "boot_wait_s": boot_wait_s, "teardown": teardown,
-            "service_account": service_account,
+            "service_account": service_account, "capacity": capacity,
             "env": {"JAX_COMPILATION_CACHE_DIR": f"{launch}/jax-cache", "TF_CPP_MIN_LOG_LEVEL": "3",
                     "EPATH_USE_TF": "false"}}
     (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
