@@ -107,6 +107,15 @@ def test_hand_computed_diloco_round():
     np.testing.assert_array_equal(np.asarray(merged["block_0"]["w"]), [[0.0], [0.0]])
 
 
+def test_outer_gradient_sign_moves_outer_params_toward_replicas():
+    params = {"block_0": {"w": jnp.zeros(4)}}
+    sync = OuterSync(make_fragments(params, 1), codecs.make_codec("none"), outer_optimizer(0.4, 0.0), 0.0)
+    outer = sync.init(params)
+    params_R = {"block_0": {"w": jnp.ones((2, 4))}}
+    outer = sync.update(sync.send(params_R, outer, 0, jax.random.PRNGKey(0), jnp.ones(2)), 0)
+    np.testing.assert_allclose(np.asarray(outer.params["block_0"]["w"]), 0.4)
+
+
 def test_non_synced_fragment_momentum_untouched():
     params = toy_params()
     frags = make_fragments(params, L, fragments=3, pattern="sequential")
