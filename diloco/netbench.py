@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco import distributed as dist
+from diloco.data.snapshot import SAFE_EXTRACT
 from diloco.outer import methods
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,7 +194,7 @@ def unpack_runs(out: Path) -> bool:
     if not archive.exists() or (out / "runs").exists():
         return False
     with tarfile.open(archive) as t:
-        t.extractall(out, filter="data")
+        t.extractall(out, **SAFE_EXTRACT)
     return True
 
 

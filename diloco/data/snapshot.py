@@ -21,6 +21,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+# tarfile's "data" filter (no absolute paths, links out of the folder, devices) where this Python has it
+# (3.11.4+); Debian 12's python3.11 (3.11.2) has none, and the archives extracted here are the repo's own.
+SAFE_EXTRACT = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
 NAME = "stdlib-3.11.7"
 ARCHIVE = Path(__file__).with_name(f"{NAME}.tar.xz")
 # skip third-party code and the (huge, machine-generated-heavy) test suites
@@ -57,7 +61,7 @@ def root(cache: Path | None) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=base, prefix=".unpack-"))
     with tarfile.open(ARCHIVE) as t:
-        t.extractall(tmp, filter="data")
+        t.extractall(tmp, **SAFE_EXTRACT)
     try:
         os.rename(tmp / NAME, out)
     except OSError:  # another process renamed its copy first: the same bytes
