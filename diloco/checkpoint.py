@@ -241,7 +241,10 @@ class Checkpointer:
 
         if jax.process_index() != 0:
             return []
-        gone = sorted(p.name for p in self.dir.iterdir() if ".orbax-checkpoint-tmp" in p.name and p.is_dir())
+        try:  # an object store has no folder before the first save: nothing to remove
+            gone = sorted(p.name for p in self.dir.iterdir() if ".orbax-checkpoint-tmp" in p.name and p.is_dir())
+        except FileNotFoundError:
+            return []
         for name in gone:
             (self.dir / name).rmtree()
         if gone:
