@@ -82,7 +82,8 @@ def test_bad_gke_input_is_one_line_before_anything_is_written(tmp_path, argv, fi
 
 XPK = ["xpk==1.16.0", "ruamel.yaml==0.19.1", "google-cloud-resource-manager==1.19.0", "kubernetes==37.0.2",
        "durationpy==0.11", "websocket-client==1.9.2", "setuptools-scm==10.3.4", "vcs-versioning==2.6.0",
-       "argcomplete==3.7.2"]  # what `xpk.parser.workload` imports, beside packages of our lock
+       "argcomplete==3.7.2", "pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0",
+       "typing-inspection==0.4.2", "docker==7.1.0"]  # what `xpk.parser.workload` imports, beside packages of our lock
 PARSE = """
 import argparse, shlex, sys
 from xpk.parser.workload import set_workload_create_parser
