@@ -6,7 +6,7 @@ import importlib
 import os
 import sys
 
-from diloco.noise import quiet_environment
+from diloco.noise import quiet_cuda_plugin, quiet_environment
 
 quiet_environment()  # before anything imports TensorFlow (under seqio/tfds)
 
@@ -104,6 +104,7 @@ def run(argv: list[str], program: bool = False) -> int:
         return 2
     with start_up_guard(name, program):
         compile_cache(name)
+        quiet_cuda_plugin()
         module = importlib.import_module(COMMANDS[name][0])  # seconds: JAX, flax, orbax…
         if name in GUARDED:
             return int(module.main(rest) or 0)

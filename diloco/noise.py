@@ -23,6 +23,23 @@ def quiet_environment() -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
+def quiet_cuda_plugin() -> None:
+    """The `gpu-aot` extra (the CUDA plugin, to compile for GPUs on this machine) loads CUDA libraries when
+    JAX is imported and when its plugins are discovered; with no GPU each load logs "Could not find cuda
+    drivers" through absl, whatever TF_CPP_MIN_LOG_LEVEL says. On such a machine both are done here, with
+    the text captured (shown if they fail). Without the plugin, or with a GPU, nothing is done."""
+    import glob
+    import importlib.util
+
+    if glob.glob("/dev/nvidia[0-9]*") or not any(
+            importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    with native_stderr_captured():
+        import jax._src.xla_bridge as xb  # public `jax` has no call that discovers plugins without a backend
+
+        xb._discover_and_register_pjrt_plugins()
+
+
 @contextlib.contextmanager
 def native_stderr_captured(replay=lambda error: error is not None) -> Iterator[None]:
     """fd 2 → a temporary file for the duration; afterwards the text is shown on stderr when replay(the

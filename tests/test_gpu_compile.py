@@ -155,3 +155,28 @@ def test_35m_streaming_for_8_h200_calls_cudnn_and_overlaps_both_layer_loops(shar
     assert rep["fits"] and rep["peak_bytes_per_chip"] <= H200_USABLE
     x = windows(rep)["step+send 0"]
     assert x["async"] and x["overlapped_flops"] == progs["step+send 0"]["hlo_flops"] > 0, x
+
+
+QUIET = """
+import sys
+from diloco.noise import quiet_cuda_plugin
+if sys.argv[1] == "quiet":
+    quiet_cuda_plugin()
+import jax
+print(jax.devices()[0].platform)
+"""
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_plugin_on_a_machine_without_a_gpu_says_nothing_at_start_up():
+    """Every `diloco` command calls quiet_cuda_plugin before its imports: without it the plugin's CUDA loads
+    print "Could not find cuda drivers" (absl, before TF_CPP_MIN_LOG_LEVEL is read) into a command's one-line
+    answers; with it stderr is empty and JAX still starts (on the CPU)."""
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("this machine has a GPU: the plugin finds its drivers")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    runs = {mode: subprocess.run([sys.executable, "-c", QUIET, mode], capture_output=True, text=True, env=env,
+                                 cwd=REPO, timeout=300) for mode in ("loud", "quiet")}
+    assert runs["loud"].returncode == 0 and "cuda drivers" in runs["loud"].stderr  # what there is to silence
+    assert runs["quiet"].returncode == 0 and runs["quiet"].stdout == "cpu\n" and runs["quiet"].stderr == ""
