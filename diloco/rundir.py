@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 from etils import epath
 
+from diloco.errors import ConfigError
+
 # config keys an older config.json may hold that no longer exist: ignored when a run folder is claimed
 # (diloco sweep's staleness counts only keys both sides have). data_readers: the per-host data reader (#30)
 RETIRED_KEYS = ("data_readers",)
@@ -56,7 +58,6 @@ def filesystem_support(scheme: str) -> str | None:
 
 def require(p: PathLike, field: str) -> epath.Path:
     """path(p), or a ConfigError naming `field` when p is on a filesystem this install cannot reach."""
-    from diloco.errors import ConfigError
 
     s = os.fspath(p)
     if not s.strip():
@@ -73,7 +74,6 @@ def require(p: PathLike, field: str) -> epath.Path:
 
 def require_folder(p: PathLike, field: str) -> None:
     """ConfigError naming `field` when the local path p, or a folder above it, exists as a file."""
-    from diloco.errors import ConfigError
 
     if is_remote(os.fspath(p)):
         return
@@ -200,17 +200,18 @@ def code_version() -> dict:
     return {"diloco": __version__, "commit": sha}
 
 
-def flat(d: dict, prefix: str = "") -> dict:
+def flatten(d, prefix: str = "") -> dict:
+    """{"a.b": value} of a nested dict or ConfigDict (a config, or its JSON form: a run's config.json)."""
     out = {}
     for k, v in d.items():
-        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flatten(v, f"{prefix}{k}.") if hasattr(v, "items") else {f"{prefix}{k}": v})
     return out
 
 
 def config_changes(old: dict, new: dict, defaults: dict) -> list[str]:
     """'key: old → new' for every dotted key whose value differs between a run's record and a config,
     retired keys left out; a key the record lacks is no change when the new value is its default."""
-    o, n, d = flat(old), flat(new), flat(defaults)
+    o, n, d = flatten(old), flatten(new), flatten(defaults)
     missing = object()
     out = []
     for k in sorted(o.keys() | n.keys()):
@@ -240,7 +241,6 @@ class RunDir:
         """Create the folder and, in the primary process of a local run, hold its lock (`.run.lock`, an
         fcntl.flock the kernel releases when the process ends, SIGKILL included) for the run's life: a
         second run on a busy folder is refused in one line naming the holder. Unusable folder: one line."""
-        from diloco.errors import ConfigError
 
         try:
             if self.primary or not is_remote(self.root):
@@ -260,7 +260,6 @@ class RunDir:
         import fcntl
         import socket
 
-        from diloco.errors import ConfigError
 
         key = os.path.realpath(self / ".run.lock")
         if key in HELD:  # this process holds it already (a run of it that stopped before close())
@@ -281,7 +280,6 @@ class RunDir:
     def claim(self, cfg_json: str, defaults_json: str = "{}") -> None:
         """Write config.json, or check that the folder holds a run of this same config. A key the record
         lacks (added to the code since) counts as the same when the new value is its default."""
-        from diloco.errors import ConfigError
 
         old = read_json(self / "config.json")
         changed = [] if old is None else config_changes(old, json.loads(cfg_json), json.loads(defaults_json))
@@ -343,16 +341,7 @@ class RunDir:
         from tensorboardX import SummaryWriter
         from tensorboardX.summary import hparams
 
-        flat: dict[str, Any] = {}
-
-        def walk(d: dict, pre: str) -> None:
-            for k, v in d.items():
-                if isinstance(v, dict):
-                    walk(v, f"{pre}{k}.")
-                else:
-                    flat[pre + k] = v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
-
-        walk(cfg, "")
+        flat = {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flatten(cfg).items()}
         metrics = {f"hparam/{k}": float(v) for k, v in summary.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         with SummaryWriter(os.fspath(self / "tb" / "hparams")) as tb:  # its own writer: the run's may be closed

@@ -31,7 +31,7 @@ from typing import Any
 from diloco.config import REPO_ROOT, check_points, make_importable, repo_path
 from diloco.errors import ConfigError
 from diloco.pointlock import LOCK, acquire_lock, release_lock
-from diloco.rundir import require_folder
+from diloco.rundir import flatten, require_folder
 from diloco.tpu import sweep_launch
 from diloco import gke, slurm
 
@@ -168,7 +168,7 @@ def stale_fields(point: dict, wd: Path, extra: list[str] = ()) -> list[str]:
     either side cannot be read. Fields the record lacks (added to the code after the run) and fields
     now `auto` (decided when the run starts, e.g. model.scan) are not counted: their defaults keep
     earlier runs' numbers."""
-    from diloco.config import flatten, load_config, to_json
+    from diloco.config import load_config, to_json
 
     try:
         old = json.loads((wd / "config.json").read_text())

@@ -5,7 +5,6 @@ slurm-wlm: munged, slurmctld, slurmd, started by scripts/slurm_local.sh as root)
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from conftest import REPO
 from diloco import distributed as dist, slurm
 from diloco.errors import ConfigError
+from diloco.launch import free_port
 
 
 @pytest.mark.parametrize("nodelist,first", [("vm", "vm"), ("gpu[07-09,12],cpu1", "gpu07"), ("n[1-4]", "n1"),
@@ -68,18 +68,12 @@ def test_impossible_resources_are_one_line_naming_the_option(kw, field):
 
 # ---------------------------------------------------------------------------------------------------
 # a real cluster
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     if shutil.which("slurmctld") is None or os.geteuid() != 0:
         pytest.skip("needs slurm-wlm (apt-get install slurm-wlm) and root: scripts/slurm_local.sh starts the daemons")
     state = tmp_path_factory.mktemp("slurm")
-    env = dict(os.environ, SLURM_LOCAL_PORT=str(_free_port()))
+    env = dict(os.environ, SLURM_LOCAL_PORT=str(free_port()))
     r = subprocess.run(["bash", str(REPO / "scripts" / "slurm_local.sh"), "start", str(state)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
