@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("diloco.eval.cli", "downstream HellaSwag / PIQA / ARC accuracy of a run"),
     "sweep": ("diloco.sweep", "run every point of a sweep, resumably"),
     "tables": ("diloco.report", "tables and plots from run records, beside the paper's numbers"),
+    "fetch": ("diloco.fetch", "copy a run root's records (local or gs://, no checkpoints) here, then its tables"),
     "reproduce": ("diloco.reproduce", "the main job: toy reproduction of the paper into results/"),
     "launch": ("diloco.launch", "start one process per replica (jax.distributed) on this machine"),
     "netbench": ("diloco.netbench", "measure achieved throughput between replica processes"),
