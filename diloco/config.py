@@ -11,6 +11,7 @@ from pathlib import Path
 import ml_collections
 
 from diloco.errors import ConfigError
+from diloco.rundir import flatten  # noqa: F401  (config.flatten: {"a.b": value} of a config)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,17 +133,6 @@ def bad_value_message(field: str, current, value: str, why: str) -> str:
     if kind:
         return f"{value!r} is not {kind}; e.g. --config.{field}={current}"
     return f"{value!r}: {why}"
-
-
-def flatten(cfg, prefix: str = "") -> dict:
-    """{"a.b": value} of a ConfigDict, or of its JSON form (a run's config.json)."""
-    out = {}
-    for k, v in cfg.items():
-        if isinstance(v, (ml_collections.ConfigDict, dict)):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def validate(cfg: ml_collections.ConfigDict, check_data: bool = True) -> None:
