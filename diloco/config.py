@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_collections
 
 from diloco.errors import ConfigError
-from diloco.rundir import flatten  # noqa: F401  (config.flatten: {"a.b": value} of a config)
+from diloco.rundir import flatten
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
