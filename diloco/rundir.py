@@ -3,13 +3,14 @@
   config.json       the config as given (`auto`)  summary.json     final numbers, resolved plan
   metrics.jsonl     one row per logged step       downstream.jsonl downstream accuracy rows
   point.json        a sweep point's identity      failed.json      why a sweep point failed
-  tb/               TensorBoard scalars (local)   timeline/        per-process event timelines (local)
+  tb/               TensorBoard scalars           timeline/        per-process event timelines (local)
   ckpt/             orbax checkpoints (diloco/checkpoint.py)
 
 All paths go through `path()`, an `etils.epath.Path` (what orbax uses), so a run folder may live on
 a non-local filesystem such as `gs://bucket/runs/x`. Writes are atomic: a local file is written
 to a temporary sibling, fsynced and renamed; an object store's write of a whole object is atomic
-by itself. Readers never see half a file.
+by itself. Readers never see half a file. TensorBoard of a remote folder is written to a local staging
+folder, one events file per checkpoint interval, each copied into tb/ once (sync_tb; at close the last).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
 from typing import Any, Iterable
@@ -125,6 +127,20 @@ def json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
+def upload_tree(local: str, dest: epath.Path, sent: dict[str, int]) -> None:
+    """Copy every file under the local folder whose size is not `sent[its relative path]` to dest/<relative
+    path>, whole; `sent` records what went."""
+    for folder, _, files in os.walk(local):
+        for name in sorted(files):
+            f = os.path.join(folder, name)
+            rel, size = os.path.relpath(f, local), os.path.getsize(f)
+            if sent.get(rel) != size:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                with open(f, "rb") as src:
+                    (dest / rel).write_bytes(src.read())
+                sent[rel] = size
+
+
 def read_json(p: PathLike, default: Any = None) -> Any:
     p = path(p)
     return json.loads(p.read_text()) if p.exists() else default
@@ -228,7 +244,7 @@ class RunDir:
 
     def __init__(self, root: PathLike, primary: bool = True):
         self.root, self.primary = path(root), primary
-        self.tb = None
+        self.tb, self.tb_local, self.tb_sent = None, None, {}
 
     def __truediv__(self, name: str) -> epath.Path:
         return self.root / name
@@ -325,18 +341,32 @@ class RunDir:
             self._tb_hparams(summary)
 
     def _writer(self):
-        """The run's TensorBoard writer (tb/), None for a remote folder (its files are appended in place)."""
-        if self.tb is None and not is_remote(self.root):
+        """The run's TensorBoard writer: into tb/, or for a remote folder (an object store has no appends)
+        into a local staging folder that sync_tb copies into tb/."""
+        if self.tb is None:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(os.fspath(self / "tb"))
+            if is_remote(self.root) and self.tb_local is None:
+                self.tb_local = tempfile.mkdtemp(prefix="diloco-tb-")
+            part = f".{len(os.listdir(self.tb_local))}" if self.tb_local else ""  # two files of one second differ
+            self.tb = SummaryWriter(self.tb_local or os.fspath(self / "tb"), filename_suffix=part)
         return self.tb
+
+    def sync_tb(self) -> None:
+        """TensorBoard into tb/ as far as now (at a checkpoint). A remote folder's writer is closed (its
+        queue drained) and its staged file written whole, one object; the next row opens the next file."""
+        if self.tb is not None and self.tb_local is None:
+            self.tb.flush()
+        elif self.tb is not None:
+            self.tb.close()
+            self.tb = None
+            upload_tree(self.tb_local, self / "tb", self.tb_sent)
 
     def _tb_hparams(self, summary: dict) -> None:
         """The run's config (config.json, flattened: outer.lr, …) as TensorBoard hparams with the summary's
         numbers as their metrics (hparam/final_eval_loss, …), in tb/hparams: the HParams tab compares runs."""
         cfg = read_json(self / "config.json", {})
-        if is_remote(self.root) or not cfg:
+        if not cfg:
             return
         from tensorboardX import SummaryWriter
         from tensorboardX.summary import hparams
@@ -344,11 +374,15 @@ class RunDir:
         flat = {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flatten(cfg).items()}
         metrics = {f"hparam/{k}": float(v) for k, v in summary.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        with SummaryWriter(os.fspath(self / "tb" / "hparams")) as tb:  # its own writer: the run's may be closed
+        staged = tempfile.mkdtemp(prefix="diloco-tb-") if is_remote(self.root) else None
+        with SummaryWriter(staged or os.fspath(self / "tb" / "hparams")) as tb:  # its own writer: the run's is closed
             for part in hparams(flat, metrics):
                 tb.file_writer.add_summary(part)
             for k, v in metrics.items():
                 tb.add_scalar(k, v, cfg.get("steps"))
+        if staged:
+            upload_tree(staged, self / "tb" / "hparams", {})
+            shutil.rmtree(staged, ignore_errors=True)
 
     def _tb_log(self, row: dict) -> None:
         if self._writer() is None:
@@ -368,3 +402,7 @@ class RunDir:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.tb_local is not None:  # what the writer's close flushed goes too; then the staging folder
+            upload_tree(self.tb_local, self / "tb", self.tb_sent)
+            shutil.rmtree(self.tb_local, ignore_errors=True)
+            self.tb_local = None

@@ -230,6 +230,7 @@ class Run:
         self.ck.save(step, self.state, {"data": data, "counters": dataclasses.asdict(self.counters),
                                         "step": step, "pending_losses": self.window.losses,
                                         "pending_losses_replicas": self.window.losses_R})
+        self.run.sync_tb()  # a remote run folder's TensorBoard files, as far as this checkpoint
 
     def inner_step(self, t: int) -> None:
         tr, cfg = self.tr, self.cfg

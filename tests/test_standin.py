@@ -252,9 +252,20 @@ def test_rundir_on_gs_reaches_the_emulator(gcs):
     for step in (1, 2, 3):
         run.log({"step": step, "loss": 1.0 / step})
     run.resume_records(2)
+    run.close()  # the TensorBoard files staged locally go to tb/
     run.write_summary({"final": 0.5})
     objects = gcs.objects("runs/x/")  # read back with google-cloud-storage, not through epath
-    assert sorted(objects) == ["runs/x/config.json", "runs/x/metrics.jsonl", "runs/x/summary.json"]
+    tb = sorted(n for n in objects if "/tb/" in n)
+    assert sorted(set(objects) - set(tb)) == ["runs/x/config.json", "runs/x/metrics.jsonl", "runs/x/summary.json"]
+    assert [n.rsplit("/", 1)[0] for n in tb] == ["runs/x/tb", "runs/x/tb/hparams"], tb
+    from tensorboardX.proto import event_pb2
+
+    b, i, steps = objects[tb[0]], 0, []  # TFRecord framing: length, crc, event, crc
+    while i < len(b):
+        n = int.from_bytes(b[i:i + 8], "little")
+        steps += [e.step for e in [event_pb2.Event.FromString(b[i + 12:i + 12 + n])] if e.summary.value]
+        i += 16 + n
+    assert steps == [1, 2, 3]
     assert [json.loads(line)["step"] for line in objects["runs/x/metrics.jsonl"].splitlines()] == [1, 2]
     assert run.summary() == {"final": 0.5} and os.fspath(run.root) == gcs.url("runs/x")
 

@@ -46,7 +46,7 @@ def tb_events(folder) -> list:
     from tensorboardX.proto import event_pb2
 
     out = []
-    for f in sorted(folder.glob("events*")):
+    for f in sorted(f for f in folder.iterdir() if f.name.startswith("events")):  # glob: not on the fake gs
         b, i = f.read_bytes(), 0
         while i < len(b):
             n = struct.unpack("<Q", b[i:i + 8])[0]
@@ -66,25 +66,37 @@ def test_run_folder_records_round_trip(root):
         run.claim(json.dumps({"a": 2}))
     for step in (1, 2, 3):
         run.log({"step": step, "loss": 1.0 / step})
+        if step == 2:  # a checkpoint: a remote folder's TensorBoard as far as here is in its tb/
+            run.sync_tb()
+            if "://" in root:
+                assert {(v.tag, e.step) for e in tb_events(run.root / "tb") for v in e.summary.value} == {
+                    ("loss", 1), ("loss", 2)}
+    staged = run.tb_local  # a remote folder's staging folder (None for a local one)
+    assert (staged is None) == ("://" not in root)
     run.resume_records(2)  # rows after the checkpoint's step go
     assert [r["step"] for r in rundir.read_jsonl(run / "metrics.jsonl")] == [1, 2]
     run.close()  # as the trainer does: the folder (lock, TensorBoard writer) closed, then the summary written
+    assert staged is None or not os.path.exists(staged)
     run.write_summary({"final": 0.5, "method": "dp"})
     assert run.summary() == {"final": 0.5, "method": "dp"}
-    names = sorted(p.name for p in run.root.iterdir() if p.name != "tb")  # TensorBoard: local folders only
+    names = sorted(p.name for p in run.root.iterdir() if p.name != "tb")
     lock = [".run.lock"] if "://" not in root else []  # the run-folder lock: local folders only
     assert names == [*lock, "config.json", "metrics.jsonl", "summary.json"]  # no temporary files left behind
     assert (run / "config.json").read_text() == cfg
-    if "://" not in root:  # the config as hparams, the summary's numbers as their metrics (tb/hparams)
-        from tensorboardX.proto import plugin_hparams_pb2
+    # TensorBoard, remote folders too: the metrics (all it was sent), the config as hparams with the summary's
+    # numbers as their metrics (tb/hparams)
+    from tensorboardX.proto import plugin_hparams_pb2
 
-        assert len(list((run.root / "tb").glob("events*"))) == 1  # the metrics' writer, not reopened
-        ev = {v.tag: v for e in tb_events(run.root / "tb" / "hparams") for v in e.summary.value}
-        start = plugin_hparams_pb2.HParamsPluginData.FromString(
-            ev["_hparams_/session_start_info"].metadata.plugin_data.content).session_start_info
-        assert {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {
-            "a": 1.0, "outer.lr": 0.4, "outer.nesterov": True, "steps": 3.0}
-        assert ev["hparam/final"].simple_value == 0.5 and "hparam/method" not in ev
+    files = [f for f in (run.root / "tb").iterdir() if f.name.startswith("events")]
+    assert len(files) == (2 if "://" in root else 1)  # remote: one per checkpoint interval; local: not reopened
+    assert {(v.tag, e.step) for e in tb_events(run.root / "tb") for v in e.summary.value} == {
+        ("loss", 1), ("loss", 2), ("loss", 3)}
+    ev = {v.tag: v for e in tb_events(run.root / "tb" / "hparams") for v in e.summary.value}
+    start = plugin_hparams_pb2.HParamsPluginData.FromString(
+        ev["_hparams_/session_start_info"].metadata.plugin_data.content).session_start_info
+    assert {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {
+        "a": 1.0, "outer.lr": 0.4, "outer.nesterov": True, "steps": 3.0}
+    assert ev["hparam/final"].simple_value == 0.5 and "hparam/method" not in ev
 
 
 def test_a_non_primary_process_writes_nothing(root):
