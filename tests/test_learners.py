@@ -55,6 +55,7 @@ def test_a_frame_that_does_not_parse_is_refused(body, reason):
     ({"arrays": [["scales", "float32", [1]], ["codes", "uint8", [3]]]}, "wrong shape"),
     ({"arrays": [["codes", "int8", [3]], ["scales", "float32", [1]]]}, "wrong shape"),
     ({"payload": b"\1\2\3"}, "payload is 7 bytes, got 3"), ({"fragment": 1}, "wrong shape"),
+    ({"retry": 1}, "field 'retry' must be bool"),
 ])
 def test_a_wrong_push_names_what_is_wrong(over, reason):
     head, payload = push(**over)
@@ -88,11 +89,11 @@ def test_token_weights_by_hand():
 
 def test_quorum_merges_at_once_and_each_round_once():
     r = Rounds(learners=3, fragments=2, quorum=2, grace=5.0)
-    assert r.add(0, 1, 1, 64, "a", now=0.0) and not r.due(1, 1, now=4.9)
-    assert r.add(2, 1, 1, 32, "c", now=1.0) and r.due(1, 1, now=1.0)
+    assert r.add(0, 1, 1, 64, "a", now=0.0) == "fresh" and not r.due(1, 1, now=4.9)
+    assert r.add(2, 1, 1, 32, "c", now=1.0) == "fresh" and r.due(1, 1, now=1.0)
     assert r.take(1, 1) == [(0, 64, "a"), (2, 32, "c")]  # learner order, whatever the arrival order
-    assert not r.add(1, 1, 1, 64, "b", now=2.0)  # late: dropped, counted
-    assert r.dropped[1] == 1 and r.merges == {(1, 1): 1} and r.merged == [0, 1]
+    assert r.add(1, 1, 1, 64, "b", now=2.0) == "late"  # dropped, counted
+    assert r.dropped[1] == 1 and r.merges == {(1, 1): 1} and r.merged == [0, 1] and r.took == {(1, 1): [0, 2]}
 
 
 def test_the_grace_window_merges_what_arrived():
@@ -116,5 +117,30 @@ def test_a_replay_or_a_round_ahead_is_refused():
     r.take(0, 1)
     with pytest.raises(proto.Rejected, match="replayed"):  # also once merged
         r.add(1, 0, 1, 64, "b", now=0.3)
+    assert r.add(1, 0, 1, 64, "b", now=0.3, retry=True) == "again" and r.merges == {(0, 1): 1}  # adds nothing
     with pytest.raises(ValueError, match="quorum=3"):
         Rounds(learners=2, fragments=1, quorum=3)
+
+
+def test_a_restored_round_book_merges_nothing_twice_and_forgets_open_rounds():
+    """What the synchronizer's checkpoint keeps (JSON round trip): after a restart a retry of a merged
+    contribution adds nothing, one of a round that was open (lost with the process) is taken afresh."""
+    import json
+
+    r = Rounds(learners=3, fragments=2, quorum=2)
+    r.add(0, 0, 1, 64, "a", now=0.0), r.add(1, 0, 1, 64, "b", now=0.0)
+    r.take(0, 1)
+    r.add(2, 0, 1, 64, "c", now=1.0)  # late
+    r.add(0, 1, 1, 64, "d", now=1.0)  # round 1 of fragment 1 open: not in the checkpoint
+    assert r.last_sent(0) == [1, 1] and r.last_sent(2) == [1, 0]
+    meta = json.loads(json.dumps(r.meta()))
+    assert meta == {"merged": [1, 0], "merges": {"0/1": 1}, "took": {"0/1": [0, 1]},
+                    "seen": [[0, 0, 1], [1, 0, 1], [2, 0, 1]], "dropped": {"2": 1}, "tokens": 128}
+    back = Rounds.restore(meta, learners=3, quorum=2)
+    assert (back.merged, back.merges, back.took, back.dropped, back.tokens) == (r.merged, r.merges, r.took, r.dropped, 128)
+    assert back.open == {} and back.last_sent(0) == [1, 0]
+    assert back.add(1, 0, 1, 64, "b", now=5.0, retry=True) == "again"
+    assert back.add(0, 1, 1, 64, "d", now=5.0, retry=True) == "fresh"  # its first copy died with the process
+    back.add(1, 1, 1, 64, "e", now=5.0)
+    back.take(1, 1)
+    assert back.merges == {(0, 1): 1, (1, 1): 1} and back.meta()["took"] == {"0/1": [0, 1], "1/1": [0, 1]}

@@ -7,14 +7,16 @@ codec's own bytes either way):
 
     frame   = u32 big-endian header length | header (UTF-8 JSON object) | payload bytes
     Push    learner → syncer  header {v, learner, fragment, round, tokens, fingerprint, codec,
-                                       arrays: [[name, dtype, shape], ...]}
+                                       arrays: [[name, dtype, shape], ...], retry: bool (optional)}
                               payload: the codec's arrays (codecs.encode of Δ_m,p), in `arrays` order,
                               each C-ordered, little-endian
             syncer → learner  header {v, fragment, round, merged: [learner ids], dropped: reason|null,
-                                       arrays: [["theta", "float32", [n_p]]]}
-                              payload: θᵍ_p after that round's outer step, fp32
-    Join    learner → syncer  header {v, learner, fingerprint}; answer: every fragment's θᵍ_p, fp32, and
-                              the last merged round per fragment
+                                       arrays: [[name, dtype, shape], ...]}
+                              payload: θᵍ_p after that round's outer step, fp32; `round` is the round
+                              θᵍ_p is at (a late or retried contribution may get a later one)
+    Join    learner → syncer  header {v, learner, fingerprint}; answer: every fragment's θᵍ_p, fp32, the
+                              last merged round per fragment (merged) and this learner's last recorded
+                              round per fragment (mine)
     Stats   → {merges: {"p/k": count}, rejected: {reason: count}, ...}
 
 Authentication: gRPC metadata `authorization: Bearer <token>`, compared in constant time
@@ -23,7 +25,7 @@ which may push only learner m's contributions. What is refused (each a `Rejected
 a frame that does not parse, a header over MAX_HEADER bytes, a payload whose arrays are not exactly the
 expected names / dtypes / shapes for that fragment and codec, a config fingerprint or codec other than
 the syncer's, an unknown learner or fragment, a round that is not positive, and a replay (the same
-learner, fragment and round twice).
+learner, fragment and round twice without `retry`; a retry adds nothing and gets the round's answer).
 """
 from __future__ import annotations
 
@@ -82,6 +84,8 @@ def check_push(header: dict, payload: bytes, expect, learners: int, fragments: i
     layout [(name, dtype, shape)]. `expect` holds fingerprint, codec and layout(p) → [(name, dtype,
     shape, nbytes)], the codec's arrays for fragment p."""
     check_fields(header, PUSH_FIELDS)
+    if not isinstance(header.get("retry", False), bool):
+        raise Rejected(f"malformed header: field 'retry' must be bool, got {header['retry']!r:.60}")
     if not hmac.compare_digest(header["fingerprint"], expect.fingerprint):
         raise Rejected(f"wrong config: fingerprint {header['fingerprint'][:12]}… is not this synchronizer's "
                        f"{expect.fingerprint[:12]}… (start every learner with the syncer's --config)")

@@ -25,11 +25,18 @@ from diloco.learners import common, proto
 from diloco.learners.rounds import Rounds, weights
 
 
-class Synchronizer:
-    """θᵍ per fragment and its outer-optimizer state (one OuterState), the rounds, the counters."""
+class MergeFailed(RuntimeError):
+    """A merge or its checkpoint raised: the round's learners and every later call get this reason, and the
+    synchronizer stops (exit 3); restarted, it resumes from its last checkpoint, which holds no part of it."""
 
-    def __init__(self, cfg, quorum: int | None = None, grace: float | None = None, clock=time.monotonic,
-                 log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+
+class Synchronizer:
+    """θᵍ per fragment and its outer-optimizer state (one OuterState), the rounds, the counters. With a
+    `workdir`, every merge is checkpointed (diloco/checkpoint.py: orbax, atomic, checksummed) before any
+    learner gets its answer, and a synchronizer started on that workdir resumes from the newest one."""
+
+    def __init__(self, cfg, quorum: int | None = None, grace: float | None = None, workdir=None,
+                 clock=time.monotonic, log=lambda msg: print(msg, file=sys.stderr, flush=True)):
         import jax
 
         from diloco.trainer import Trainer
@@ -45,8 +52,36 @@ class Synchronizer:
         self.cond = threading.Condition()
         self.answers: dict[tuple[int, int], tuple[dict, bytes]] = {}  # (p, k) → the round's answer frame parts
         self.rejected: collections.Counter = collections.Counter()
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_in = self.bytes_out = self.resumed = 0
+        self.failed: str | None = None
         self._jit: dict = {}
+        self.ck = None if workdir is None else self.resume(workdir, quorum, grace)
+
+    def resume(self, workdir, quorum, grace):
+        """The checkpointer of `workdir`/ckpt, after restoring its newest checkpoint if there is one."""
+        import jax
+
+        from diloco.checkpoint import Checkpointer
+        from diloco.rundir import path
+
+        ck = Checkpointer(path(workdir) / "ckpt", keep=2)
+        got = ck.restore(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                                self.outer))
+        if got is not None:
+            step, self.outer, meta = got
+            if meta["fingerprint"] != self.expect.fingerprint:
+                raise ConfigError("config", f"the checkpoint in {workdir} is of another run config: start the "
+                                            "synchronizer with that run's --config, or use a new --workdir")
+            self.rounds = Rounds.restore(meta["rounds"], self.learners, quorum, grace)
+            self.bytes_in, self.bytes_out, self.resumed = meta["bytes_in"], meta["bytes_out"], meta["resumed"] + 1
+            self.log(f"diloco syncer: resumed from checkpoint {step} of {workdir}: merged rounds {self.rounds.merged}")
+        return ck
+
+    def save(self) -> None:
+        if self.ck is not None:  # step: merges so far (grows by one per merge)
+            self.ck.save(sum(self.rounds.merged), self.outer, {
+                "rounds": self.rounds.meta(), "fingerprint": self.expect.fingerprint, "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "resumed": self.resumed})
 
     # -- the math: the SPMD path's average and outer step --------------------------------------------
     def program(self, kind: str, p: int):
@@ -71,20 +106,37 @@ class Synchronizer:
         return self._jit[(kind, p)]
 
     def merge(self, p: int, k: int) -> None:
-        """Merge round k of fragment p (under self.cond): average, outer step, the answer kept for its learners."""
+        """Merge round k of fragment p (under self.cond): average, outer step, checkpoint, then the answer is
+        kept for its learners. Any exception: MergeFailed for every waiter, and the service stops."""
         got = self.rounds.take(p, k)
-        w = np.asarray(weights([tok for _, tok, _ in got]), np.float32)
-        payload = {name: np.stack([pl[name] for *_, pl in got]) for name in got[0][2]}
-        avg = self.program("average", p)(payload, w)
-        params, opt_p, theta_n = self.program("step", p)(self.outer.params, self.outer.opt[p], avg)
-        self.outer = self.outer.replace(params=params, opt=self.outer.opt[:p] + (opt_p,) + self.outer.opt[p + 1:])
-        theta = np.asarray(theta_n, np.float32)
+        try:
+            w = np.asarray(weights([tok for _, tok, _ in got]), np.float32)
+            payload = {name: np.stack([pl[name] for *_, pl in got]) for name in got[0][2]}
+            avg = self.program("average", p)(payload, w)
+            params, opt_p, theta_n = self.program("step", p)(self.outer.params, self.outer.opt[p], avg)
+            self.outer = self.outer.replace(params=params, opt=self.outer.opt[:p] + (opt_p,) + self.outer.opt[p + 1:])
+            theta = np.asarray(theta_n, np.float32)
+            self.save()
+        except Exception as e:  # noqa: BLE001  (any failure: loudly, to every learner waiting for it)
+            self.failed = f"the merge of fragment {p} round {k} failed: {type(e).__name__}: {str(e)[:300]}"
+            self.log(f"diloco syncer: {self.failed}; stopping (restart it: it resumes from its last checkpoint)")
+            self.cond.notify_all()
+            raise MergeFailed(self.failed) from e
         head = {"v": proto.VERSION, "fragment": p, "round": k, "merged": [m for m, *_ in got],
                 "tokens": [int(t) for _, t, _ in got], "arrays": [["theta", "float32", list(theta.shape)]]}
         self.answers[(p, k)] = (head, theta.tobytes())
         self.answers.pop((p, k - 4), None)  # a learner waits for its own round only; keep a few
         self.log(f"diloco syncer: merged fragment {p} round {k} from learners {head['merged']} "
                  f"(tokens {head['tokens']})")
+
+    def reply(self, p: int, k: int) -> tuple[dict, bytes]:
+        """Round k's answer while it is kept, else θᵍ_p as it is now (its round: the last merged)."""
+        if (p, k) in self.answers:
+            return self.answers[(p, k)]
+        theta = np.asarray(self.sync.frags.flatten(self.outer.params, p), np.float32)
+        r = self.rounds.merged[p]
+        return ({"v": proto.VERSION, "fragment": p, "round": r, "merged": self.rounds.took.get((p, r), []),
+                 "arrays": [["theta", "float32", list(theta.shape)]]}, theta.tobytes())
 
     # -- the calls -------------------------------------------------------------------------------------
     def push(self, body: bytes, who: int = proto.ANY) -> bytes:
@@ -98,45 +150,55 @@ class Synchronizer:
         arrays = {name: np.frombuffer(b, dtype).reshape(shape)
                   for name, (dtype, shape, b) in proto.split_payload(payload, self.expect.layout(p)).items()}
         with self.cond:
+            if self.failed:
+                raise MergeFailed(self.failed)
             self.bytes_in += len(body)
-            fresh = self.rounds.add(m, p, k, header["tokens"], arrays, self.clock())
-            if not fresh:
-                self.log(f"diloco syncer: dropped learner {m}'s fragment {p} round {k}: late, merged without it")
-                if (p, k) not in self.answers:  # its answer is no longer kept: nothing to give it but a restart
-                    raise proto.Rejected(f"late: round {k} of fragment {p} was merged rounds ago (now "
-                                         f"{self.rounds.merged[p]}); restart the learner")
-            while (p, k) not in self.answers:
+            how = self.rounds.add(m, p, k, header["tokens"], arrays, self.clock(), header.get("retry", False))
+            if how != "fresh":
+                self.log(f"diloco syncer: learner {m}'s fragment {p} round {k}: "
+                         + ("late, merged without it (dropped)" if how == "late" else "a retry (nothing added)"))
+            while self.rounds.merged[p] < k:
+                if self.failed:
+                    raise MergeFailed(self.failed)
                 if self.rounds.due(p, k, self.clock()):
                     self.merge(p, k)
                     self.cond.notify_all()
                     continue
                 end = self.rounds.deadline(p, k)
                 self.cond.wait(timeout=1.0 if end is None else min(1.0, max(end - self.clock(), 0.0) + 1e-3))
-            head, theta = self.answers[(p, k)]
-            out = proto.frame({**head, "dropped": None if fresh else "late"}, theta)
+            head, theta = self.reply(p, k if how != "late" else self.rounds.merged[p])
+            out = proto.frame({**head, "dropped": "late" if how == "late" else None}, theta)
             self.bytes_out += len(out)
             return out
 
     def join(self, body: bytes, who: int = proto.ANY) -> bytes:
-        """θᵍ of every fragment (fp32, fragment order) and the last merged round per fragment."""
+        """θᵍ of every fragment (fp32, fragment order), the last merged round per fragment and the last round of
+        this learner's recorded per fragment: what a new or restarted learner starts from."""
         header, _ = proto.unframe(body)
         proto.check_fields(header, {"v": int, "learner": int, "fingerprint": str})
         if header["fingerprint"] != self.expect.fingerprint:
             raise proto.Rejected("wrong config: this learner's config fingerprint is not the synchronizer's")
+        if not 0 <= header["learner"] < self.learners:
+            raise proto.Rejected(f"unknown learner {header['learner']} (0 … {self.learners - 1})")
         with self.cond:
+            if self.failed:
+                raise MergeFailed(self.failed)
             flats = [np.asarray(self.sync.frags.flatten(self.outer.params, p), np.float32)
                      for p in range(self.sync.frags.P)]
-            merged = list(self.rounds.merged)
-        head = {"v": proto.VERSION, "merged": merged,
+            merged, mine = list(self.rounds.merged), self.rounds.last_sent(header["learner"])
+        head = {"v": proto.VERSION, "merged": merged, "mine": mine,
                 "arrays": [[f"theta{p}", "float32", [len(f)]] for p, f in enumerate(flats)]}
         return proto.frame(head, b"".join(f.tobytes() for f in flats))
 
     def stats(self) -> dict:
         with self.cond:
             return {"merges": {f"{p}/{k}": n for (p, k), n in sorted(self.rounds.merges.items())},
+                    "took": {f"{p}/{k}": ms for (p, k), ms in sorted(self.rounds.took.items())},
                     "merged_rounds": list(self.rounds.merged), "rejected": dict(self.rejected),
                     "dropped_late": {str(m): n for m, n in self.rounds.dropped.items()},
-                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+                    "tokens_merged": self.rounds.tokens, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                    "resumed": self.resumed,
+                    "failed": self.failed}
 
 
 def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int = 0, workers: int = 32):
@@ -158,6 +220,8 @@ def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int =
                     syncer.rejected[str(e).split(":")[0]] += 1
                 syncer.log(f"diloco syncer: refused a {fn.__name__}: {e}")
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except MergeFailed as e:  # the learners retry until the synchronizer is restarted
+                context.abort(grpc.StatusCode.INTERNAL, str(e))
         return grpc.unary_unary_rpc_method_handler(call)  # no (de)serializers: the body is bytes
 
     biggest = max(sum(b for *_, b in lay) for lay in syncer.expect.layouts) + proto.MAX_HEADER + 4
@@ -187,8 +251,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--learner_token", type=int, default=None, metavar="M",
                     help="print learner M's own token (derived from the shared one; it can push only M's "
                          "contributions: give it to that learner as its --token_file) and exit")
+    ap.add_argument("--workdir", default=None, help="checkpoint every merge into WORKDIR/ckpt and resume from "
+                    "it when started again (default: none, the state dies with the process)")
     ap.add_argument("--stats", default=None, help="write the counters (JSON) here every second and at exit")
     args, overrides = ap.parse_known_args(argv)
+    from diloco.checkpoint import CheckpointError
     from diloco.config import load_config
     from diloco.rundir import atomic_write_json
 
@@ -197,15 +264,15 @@ def main(argv: list[str]) -> int:
         if args.learner_token is not None:
             print(proto.learner_token(token, args.learner_token))
             return 0
-        syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace)
+        syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace, args.workdir)
         server, port = serve(syncer, token, args.host, args.port)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, CheckpointError) as e:
         print(f"diloco syncer: bad input: {e}", file=sys.stderr)
         return 2
     print(f"diloco syncer: listening on {args.host}:{port} ({syncer.learners} learners, quorum "
           f"{syncer.rounds.quorum}, grace {args.grace})", flush=True)
     try:
-        while True:
+        while syncer.failed is None:
             time.sleep(1.0)
             if args.stats:
                 atomic_write_json(args.stats, syncer.stats())
@@ -215,4 +282,7 @@ def main(argv: list[str]) -> int:
         server.stop(grace=1.0)
         if args.stats:
             atomic_write_json(args.stats, syncer.stats())
+    if syncer.failed:
+        print(f"diloco syncer: {syncer.failed}", file=sys.stderr)
+        return 3
     return 0

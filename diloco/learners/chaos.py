@@ -1,0 +1,177 @@
+"""Chaos runs of independent learners on one machine: `diloco syncer` and M `diloco learner` processes on
+loopback gRPC, real SIGKILLs, a straggler slowed by a sleep per step (tests/test_learners_grpc.py, and
+`python -m diloco.learners.chaos --out results/learners`, which writes the table docs/distributed.md shows).
+
+A scenario is a set of faults on one run config:
+
+  kill      SIGKILL learner 1 once it has logged `at` steps; started again at once on its workdir (it resumes
+            from its checkpoint and catches up)
+  straggle  learner M−1 sleeps 3× as long per step as the others
+  syncer    SIGKILL the synchronizer once learner 0 has logged `at` steps of the run's second half; started
+            again at once on its workdir (it resumes from its checkpoint)
+
+Goodput = the tokens of every contribution merged (the synchronizer's counter) / (wall seconds × learners);
+wall from the learners' start to the last one's exit. The eval loss is of learner 0's final θᵍ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "chaos-run-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class Cluster:
+    """The processes of one run: the synchronizer on a fixed port (so that a restarted one is found again)
+    and the learners, each logging to ROOT/<name>.log."""
+
+    def __init__(self, root: Path, flags: list[str], learners: int, quorum: int | None, grace: float | None):
+        self.root, self.flags, self.M = root, flags, learners
+        self.port = free_port()
+        self.env = {**os.environ, "DILOCO_SYNC_TOKEN": TOKEN, "XLA_FLAGS": ""}
+        self.syncer_args = ["--port", str(self.port), "--workdir", os.fspath(root / "syncer")]
+        self.syncer_args += [] if quorum is None else ["--quorum", str(quorum)]
+        self.syncer_args += [] if grace is None else ["--grace", str(grace)]
+        self.procs: dict[str, subprocess.Popen] = {}
+        root.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "a")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "diloco.cli", *args], cwd=REPO, env=self.env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        return self.procs[name]
+
+    def syncer(self, timeout: float = 240) -> None:
+        """Start the synchronizer and wait until it listens."""
+        n = (self.root / "syncer.log").read_text().count("listening on") if (self.root / "syncer.log").exists() else 0
+        p = self.spawn("syncer", ["syncer", *self.flags, *self.syncer_args])
+        deadline = time.time() + timeout
+        while (self.root / "syncer.log").read_text().count("listening on") == n:
+            if p.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the synchronizer did not start:\n{self.log('syncer')}")
+            time.sleep(0.1)
+
+    def learner(self, m: int, sleep: float) -> None:
+        self.spawn(f"learner{m}", ["learner", *self.flags, "--sync", f"grpc://127.0.0.1:{self.port}", "--learner",
+                                   str(m), "--workdir", os.fspath(self.root / f"learner{m}"), "--sleep", str(sleep)])
+
+    def steps(self, m: int) -> int:
+        return len(rows(self.root / f"learner{m}" / "metrics.jsonl"))
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text()[-3000:]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def until(self, m: int, steps: int, deadline: float) -> None:
+        """Wait until learner m has logged `steps` steps (its processes alive)."""
+        while self.steps(m) < steps:
+            for name, p in self.procs.items():
+                if p.poll() not in (None, 0):
+                    raise RuntimeError(f"{name} exited {p.returncode}:\n{self.log(name)}")
+            if time.time() > deadline:
+                raise TimeoutError(f"learner {m} did not reach step {steps}:\n{self.log(f'learner{m}')}")
+            time.sleep(0.05)
+
+    def stats(self) -> dict:
+        from diloco.learners.client import SyncClient
+
+        return SyncClient(f"127.0.0.1:{self.port}", TOKEN, 0, "", timeout=30, retry_for=0).stats()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict, quorum: int | None,
+        grace: float | None, sleep: float = 0.2, timeout: float = 600) -> dict:
+    """One chaos run; its counters and measurements (see the module's docstring)."""
+    flags = ["--config", "experiments/toy.py:streaming", f"--config.replicas={learners}", f"--config.steps={steps}",
+             *[f"--config.{k}={v}" for k, v in overrides.items()]]
+    c, events = Cluster(root, flags, learners, quorum, grace), {}
+    deadline = time.time() + timeout
+    try:
+        c.syncer()
+        t0 = time.time()
+        for m in range(learners):
+            c.learner(m, 3 * sleep if "straggle" in faults and m == learners - 1 else sleep)
+        if "kill" in faults:
+            c.until(1, steps // 3, deadline)
+            c.kill("learner1")
+            events["learner1_killed_after_step"] = c.steps(1)
+            events["learner1_killed_at"] = time.time()
+            c.learner(1, sleep)
+        if "syncer" in faults:
+            c.until(0, steps // 2 + steps // 6, deadline)
+            c.kill("syncer")
+            events["syncer_killed_after_step_of_learner0"] = c.steps(0)
+            events["syncer_killed_at"] = t_kill = time.time()
+            c.syncer()
+            events["syncer_down_seconds"] = round(time.time() - t_kill, 2)
+        for m in range(learners):
+            p = c.procs[f"learner{m}"]
+            if p.wait(timeout=max(deadline - time.time(), 1)) != 0:
+                raise RuntimeError(f"learner {m} exited {p.returncode}:\n{c.log(f'learner{m}')}")
+        wall = time.time() - t0
+        stats = c.stats()
+    finally:
+        c.close()
+    summaries = [json.loads((root / f"learner{m}" / "summary.json").read_text()) for m in range(learners)]
+    return {"faults": "+".join(sorted(faults)) or "none", "learners": learners, "steps": steps, "quorum": quorum,
+            "grace": grace, "wall_seconds": round(wall, 2), "tokens_merged": stats["tokens_merged"],
+            "goodput_tokens_per_s_per_learner": round(stats["tokens_merged"] / wall / learners, 1),
+            "eval_loss": summaries[0]["eval_loss"], "stats": stats, "summaries": summaries, "events": events}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder of the table (chaos.md, chaos.jsonl)")
+    ap.add_argument("--learners", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--seeds", type=int, default=2, help="no-fault runs (seeds 0 … n−1): the eval loss band")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = dict(scale="tiny", seq_len=32, batch_size=4 * args.learners, H=4, layers_per_fragment=1, codec="e3m0",
+                codec_block_size=64, tau=1, log_every=1, eval_every=1000, checkpoint_every=4, eval_batches=4)
+    plan = [(set(), s) for s in range(args.seeds)] + [({f}, 0) for f in ("kill", "straggle", "syncer")]
+    plan.append(({"kill", "straggle", "syncer"}, 0))
+    results = []
+    for faults, seed in plan:
+        name = "+".join(sorted(faults)) or "none"
+        root = out / "runs" / f"{name}-seed{seed}"
+        r = run(root, faults, args.learners, args.steps, {**base, "seed": seed}, quorum=args.learners - 1, grace=2.0)
+        r["seed"] = seed
+        results.append(r)
+        print(json.dumps({k: r[k] for k in ("faults", "seed", "wall_seconds", "goodput_tokens_per_s_per_learner",
+                                            "eval_loss")}), flush=True)
+    with open(out / "chaos.jsonl", "w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
