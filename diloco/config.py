@@ -39,6 +39,9 @@ def resolve_spec_path(spec: str) -> str:
     return f"{p}:{arg}" if arg else str(p)
 
 
+AUTO_ZERO = {f"--config.{k}=auto": f"--config.{k}=0" for k in ("mesh.fsdp", "mesh.tensor")}
+
+
 def load_config(spec: str, overrides: list[str] = (), check_data: bool = True) -> ml_collections.ConfigDict:
     """Same semantics as ml_collections.config_flags: `path:arg`, then `--config.a.b=value`.
 
@@ -48,6 +51,7 @@ def load_config(spec: str, overrides: list[str] = (), check_data: bool = True) -
     from ml_collections import config_flags
 
     keys = []
+    overrides = [AUTO_ZERO.get(o, o) for o in overrides]  # `auto` of an int field whose auto is 0
     for o in overrides:
         if not o.startswith("--config.") or "=" not in o:
             raise ConfigError(o.split("=")[0], "unknown flag; overrides look like --config.key=value")
@@ -223,8 +227,11 @@ def _validate_faults(cfg) -> None:
 
 # Logical axis names the model uses (diloco/model/transformer.py: parameters and activations) and the mesh axes.
 LOGICAL_NAMES = ("batch", "length", "vocab", "embed", "qkv", "heads", "head_dim", "mlp", "layers")
-MESH_AXES = ("replica", "data", "fsdp")
+MESH_AXES = ("replica", "data", "fsdp", "tensor")
 DEFAULT_RULES = "batch=data+fsdp,embed=fsdp"
+# Megatron-style splits on `tensor` (mesh.tensor > 1), after `mesh.rules` for the names it leaves out:
+# qkv and mlp_in column-split, attn_out and mlp_out row-split, the tied embedding split over its rows.
+TENSOR_RULES = (("heads", ("tensor",)), ("qkv", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 
 
 def mesh_rules(cfg) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
@@ -247,7 +254,7 @@ def mesh_rules(cfg) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
         bad = [a for a in got if a not in MESH_AXES[1:]]
         if bad:
             raise ConfigError("mesh.rules", f"{name}={axes}: {bad[0]!r} is not a mesh axis inside a replica; "
-                              "use data, fsdp or nothing (replicated)")
+                              "use data, fsdp, tensor or nothing (replicated)")
         if len(set(got)) != len(got):
             raise ConfigError("mesh.rules", f"{name}={axes} names a mesh axis twice")
         rules.append((name, got or None))

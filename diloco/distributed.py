@@ -220,9 +220,9 @@ def is_primary() -> bool:
     return process_index() == 0
 
 
-def device_grid(devices: list, shape: tuple[int, int, int]):
-    """The (replica, data, fsdp) array of devices for the trainer's mesh. One slice: the devices in
-    order (process-major, so a process's devices are neighbours). Several slices (device.slice_index):
+def device_grid(devices: list, shape: tuple[int, ...]):
+    """The (replica, data, fsdp, tensor) array of devices for the trainer's mesh. One slice: the devices in
+    order (process-major, so a process's devices are neighbours, and a tensor group is consecutive devices). Several slices (device.slice_index):
     JAX's hybrid mesh, the slices along `replica` (ICI inside a slice, DCN only between replicas);
     when the replicas are fewer than the slices (DP) along `data`, then `fsdp`."""
     import numpy as np
@@ -234,16 +234,17 @@ def device_grid(devices: list, shape: tuple[int, int, int]):
 
     S = len(slices)
     axis = slice_axis(shape, S)
-    dcn = tuple(S if i == axis else 1 for i in range(3))
+    dcn = tuple(S if i == axis else 1 for i in range(len(shape)))
     ici = tuple(n // S if i == axis else n for i, n in enumerate(shape))
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
 
 
-def slice_axis(shape: tuple[int, int, int], slices: int) -> int:
-    """The mesh axis that spans the slices: the first of (replica, data, fsdp) divisible by their count."""
+def slice_axis(shape: tuple[int, ...], slices: int) -> int:
+    """The mesh axis that spans the slices: the first of (replica, data, fsdp) divisible by their count
+    (never `tensor`: its collectives run inside every sublayer)."""
     from diloco.errors import ConfigError
 
-    axis = next((i for i in range(3) if shape[i] % slices == 0), None)
+    axis = next((i for i in range(min(3, len(shape))) if shape[i] % slices == 0), None)
     if axis is None:
         raise ConfigError("replicas", f"the mesh (replica, data, fsdp)={shape} has no axis divisible by the {slices} "
                           "slices; use a number of replicas divisible by the slice count")

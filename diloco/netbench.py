@@ -448,4 +448,6 @@ def combined_step_collectives(path: Path | None = None) -> dict:
         path.write_text(f"# collectives in the compiled HLO of (send of fragment 0 + next inner step), "
                         f"backend={jax.default_backend()}, jax {jax.__version__}\n"
                         + "".join(l[:300] + "\n" for l in lines))
-    return {"backend": jax.default_backend(), "mesh": dict(tr.mesh.shape), "ops": dict(ops)}
+    from diloco.resolve import mesh_dict
+
+    return {"backend": jax.default_backend(), "mesh": mesh_dict(tr.mesh.shape), "ops": dict(ops)}

@@ -29,7 +29,7 @@ CUDNN_MAX_HEAD_DIM = 128
 class Plan:
     platform: str                 # "cpu" | "gpu" | "tpu": what the programs compile for
     devices: int                  # compute devices of the mesh
-    mesh: tuple[int, int, int]    # (replica, data, fsdp)
+    mesh: tuple[int, int, int, int]  # (replica, data, fsdp, tensor)
     attention: str                # xla | dot_product | cudnn | splash
     remat: str                    # none | full | save_dots
     scan: bool                    # nn.scan over the blocks
@@ -43,7 +43,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {"platform": self.platform, "devices": self.devices,
-                "mesh": dict(zip(("replica", "data", "fsdp"), self.mesh)), "attention": self.attention,
+                "mesh": mesh_dict(self.mesh), "attention": self.attention,
                 "matmul_precision": self.matmul_precision,
                 "remat": self.remat, "scan": self.scan, "exchange": self.exchange, "why": dict(self.why),
                 **({"xla_flags": list(self.xla_flags)} if self.xla_flags else {})}
@@ -52,7 +52,17 @@ class Plan:
         """The plan as `diloco compile` prints it: one choice a line, with its reason."""
         j = self.to_json()
         return [f"resolved {k}: {j[k]}" + (f"  ({self.why[k]})" if k in self.why else "")
-                for k in ("platform", "mesh", "attention", "remat", "scan", "exchange")]
+                for k in ("platform", "mesh", "attention", "remat", "scan", "exchange")] + (
+            [f"resolved tensor: {self.mesh[3]}  ({self.why['tensor']})"] if "tensor" in self.why else [])
+
+
+def mesh_dict(shape) -> dict[str, int]:
+    """{axis: size} of a mesh shape (a tuple, or a Mesh's `.shape`) as recorded (summary.json "resolved"): `tensor` only when it splits (> 1),
+    so plans recorded before the tensor axis compare equal to a tensor-1 plan."""
+    d = dict(zip(("replica", "data", "fsdp", "tensor"), (int(x) for x in getattr(shape, "values", lambda: shape)())))
+    if d.get("tensor", 1) == 1:
+        d.pop("tensor", None)
+    return d
 
 
 def replica_axis_size(cfg, n_dev: int) -> int:
@@ -68,13 +78,32 @@ def replica_axis_size(cfg, n_dev: int) -> int:
     return 1
 
 
-def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
-    """(replica, data, fsdp) axis sizes for n_dev devices (ConfigError when they or the batch do not fit). mesh.data / mesh.fsdp: a size, or -1 for the
-    devices of a replica left over by the other; mesh.fsdp = 0 is "auto" (the default): 1 at the toy scales
-    (every device on data), and at the paper's scales FSDP over every device of a replica (data 1 unless
-    given), so the parameters and optimizer state of a large model are split over its chips."""
+def mesh_shape(cfg, n_dev: int, platform: str = "cpu", hbm: int = 0) -> tuple[int, int, int, int]:
+    """(replica, data, fsdp, tensor) axis sizes for n_dev devices (ConfigError when they or the batch do not fit).
+    mesh.tensor: the chips of a replica splitting heads/MLP/vocabulary (`tensor_size`; 0 = auto). mesh.data /
+    mesh.fsdp: a size, or -1 for the devices of a replica left over by the others; mesh.fsdp = 0 is "auto" (the
+    default): 1 at the toy scales (every device on data), and at the paper's scales FSDP over every device of a
+    replica left by tensor (data 1 unless given), so the parameters and optimizer state of a large model are split
+    over its chips."""
     r_axis = replica_axis_size(cfg, n_dev)
-    per = n_dev // r_axis
+    tensor = tensor_size(cfg, n_dev // r_axis, platform, hbm, replicas_here(cfg, r_axis))[0]
+    per = n_dev // r_axis // tensor  # the devices of one replica's data × fsdp axes
+    where = f"({n_dev} devices / replica axis {r_axis}" + (f" / tensor {tensor})" if tensor > 1 else ")")
+    data, fsdp = data_fsdp(cfg, per, where)
+    per_dev = cfg.batch_size // cfg.replicas if cfg.method != "dp" else cfg.batch_size
+    if per_dev % per:
+        raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the {per} devices of the "
+                          f"data×fsdp axes {where}; use a multiple of {per}")
+    return r_axis, data, fsdp, tensor
+
+
+def replicas_here(cfg, r_axis: int) -> int:
+    """Replicas whose state each device holds (all of them when the `replica` axis is 1; DP: one)."""
+    return 1 if cfg.method == "dp" else cfg.replicas // r_axis
+
+
+def data_fsdp(cfg, per: int, where: str = "") -> tuple[int, int]:
+    """(data, fsdp) sizes for the `per` devices of one replica's data × fsdp axes (mesh_shape's rules)."""
     data, fsdp = int(cfg.mesh.get("data", -1)), int(cfg.mesh.get("fsdp", 1))
     if fsdp == 0:  # auto
         if cfg.scale in TOY_SCALES:
@@ -86,20 +115,107 @@ def mesh_shape(cfg, n_dev: int) -> tuple[int, int, int]:
             raise ConfigError(field, f"{v} must be ≥ 1, or -1 for the remaining devices" +
                               (", or 0 (auto)" if field == "mesh.fsdp" else ""))
         if v > 0 and per % v:
-            raise ConfigError(field, f"{v} does not divide the {per} devices of one replica ({n_dev} devices / "
-                              f"replica axis {r_axis}); use a divisor of {per}")
+            raise ConfigError(field, f"{v} does not divide the {per} devices of one replica {where}; "
+                              f"use a divisor of {per}")
     if data == -1 and fsdp == -1:
         raise ConfigError("mesh.fsdp", "mesh.data and mesh.fsdp are both -1; give one of them a size")
     data = per // fsdp if data == -1 else data
     fsdp = per // data if fsdp == -1 else fsdp
     if data * fsdp != per:
         raise ConfigError("mesh.fsdp", f"mesh.data={data} × mesh.fsdp={fsdp} = {data * fsdp} ≠ the {per} devices of "
-                          f"one replica ({n_dev} devices / replica axis {r_axis}); set one of them to -1")
-    per_dev = cfg.batch_size // cfg.replicas if cfg.method != "dp" else cfg.batch_size
-    if per_dev % per:
-        raise ConfigError("batch_size", f"per-replica batch {per_dev} is not divisible by the {per} devices of the "
-                          f"data×fsdp axes ({n_dev} devices); use a multiple of {per}")
-    return r_axis, data, fsdp
+                          f"one replica {where}; set one of them to -1")
+    return data, fsdp
+
+
+def tensor_size(cfg, per: int, platform: str = "cpu", hbm: int = 0, here: int = 1) -> tuple[int, str]:
+    """(`mesh.tensor` resolved for `per` devices of a replica, why). A size is checked (`check_tensor`); 0 is
+    auto: the smallest size `check_tensor` allows whose mesh takes the batch and whose estimated bytes per chip
+    (`chip_bytes`, `here` replicas on each device) fit `hbm` (bytes per device); 1 on CPU, at the toy scales
+    (memory is not the limit there) and where the device's memory is unknown."""
+    want = int(cfg.mesh.get("tensor", 1))
+    if want:
+        check_tensor(cfg, want, per)
+        return want, "set in the config"
+    if platform == "cpu" or cfg.scale in TOY_SCALES:
+        return 1, "auto: CPU or a toy scale, memory is not the limit"
+    if not hbm:
+        return 1, f"auto: {platform} device memory unknown"
+    ok = []
+    for t in (d for d in range(1, per + 1) if per % d == 0):
+        try:
+            check_tensor(cfg, t, per)
+            need = chip_bytes(cfg, per, t, remat(cfg, platform)[0], here)
+        except ConfigError:
+            continue
+        ok.append(t)
+        if need <= hbm:
+            return t, (f"auto: the smallest tensor whose estimated peak, {need / 2**30:.1f} GiB per chip, fits "
+                       f"{hbm / 2**30:.1f} GiB")
+    t = ok[-1] if ok else 1
+    return t, f"auto: no tensor size fits {hbm / 2**30:.1f} GiB per chip by the estimate; the largest that splits: {t}"
+
+
+def chip_bytes(cfg, per: int, t: int, policy: str, here: int = 1) -> float:
+    """Estimated peak bytes per chip of a run on a replica of `per` devices with tensor `t` (ConfigError when
+    that mesh does not take the batch): fp32 params, gradients and AdamW moments of the `here` replicas on a
+    device over fsdp × tensor, θᵍ + outer momentum + pending likewise; activations of the chip's rows under
+    `policy` (full: one residual per layer and one block's working set; save_dots/none: every block's matmul
+    outputs), heads, MLP and vocabulary split over tensor; attention scores unless splash keeps them in VMEM."""
+    from diloco.model.scales import BYTE_VOCAB, padded_vocab, run_vocab
+
+    s = SCALES[cfg.scale]
+    V = padded_vocab(BYTE_VOCAB if cfg.vocab == "byte" else run_vocab(cfg.scale)[1])
+    n = formula_params(cfg.scale, V)
+    data, fsdp = data_fsdp(cfg, per // t)
+    rows, left = divmod(cfg.batch_size if cfg.method == "dp" else cfg.batch_size // cfg.replicas, data * fsdp)
+    if left or not rows:
+        raise ConfigError("batch_size", f"the per-replica batch does not split over data × fsdp = {data * fsdp}")
+    state = (16 * here + (0 if cfg.method == "dp" else 12)) * n / (fsdp * t)
+    T, L, D, F, H = rows * cfg.seq_len * here, cfg.seq_len, s.d_model, s.mlp_dim, s.heads
+    b = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+    block = T * b * (6 * D + (3 * D + 2 * F) / t)  # one block's matmul inputs and outputs, q/k/v and MLP split
+    scores = 0 if cfg.model.attention == "splash" or (cfg.model.attention == "auto" and L % SPLASH_BLOCK == 0) \
+        else rows * here * (H / t) * L * L * 4 * 2
+    act = s.layers * T * D * b + block + scores if policy == "full" else s.layers * (block + scores)
+    return state + act + 3 * T * V / t * 4  # fp32 logits, their softmax and gradient
+
+
+def device_hbm(device) -> int:
+    """Bytes one device offers: its allocator's limit where it reports one (GPU, a TPU VM), else the HBM of its
+    TPU kind (TPU_HBM_BYTES: compiling for a topology on this CPU), else 0 (unknown)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a topology's device (AOT) or a backend without statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    kind = str(getattr(device, "device_kind", "")).lower()
+    return next((v for k, v in TPU_HBM_BYTES.items() if k in kind), 0)
+
+
+# HBM per TPU device by device_kind (Cloud TPU system architecture pages; libtpu's v4 device is one chip).
+TPU_HBM_BYTES = {"v5p": 95 * 2**30, "v5 lite": 16 * 2**30, "v5e": 16 * 2**30, "v6": 32 * 2**30, "v4": 32 * 2**30}
+
+
+def check_tensor(cfg, t: int, per: int) -> None:
+    """ConfigError in one line when `mesh.tensor`=t cannot split this model on `per` devices of a replica
+    (t must divide them, the heads, the MLP width and the embedding rows, padded to VOCAB_PAD), naming the
+    value and the nearest size that can."""
+    from diloco.model.scales import VOCAB_PAD, padded_vocab
+
+    s = SCALES[cfg.scale]
+    limits = {"devices of one replica": per, "heads": s.heads, "mlp dim": s.mlp_dim}
+    if VOCAB_PAD % t:  # the padded rows divide any t that divides VOCAB_PAD
+        from diloco.data import get_vocabulary
+
+        limits["padded vocab rows"] = padded_vocab(get_vocabulary(cfg.vocab).vocab_size)
+    bad = next(((k, v) for k, v in limits.items() if v % t), None)
+    if bad is None:
+        return
+    ok = [d for d in range(1, per + 1) if all(v % d == 0 for v in (per, s.heads, s.mlp_dim, VOCAB_PAD))]
+    near = min(ok, key=lambda d: (abs(d - t), d))
+    raise ConfigError("mesh.tensor", f"{t} does not divide the {bad[1]} {bad[0]} ({cfg.scale}: heads {s.heads}, "
+                      f"mlp dim {s.mlp_dim}, {per} devices per replica); use mesh.tensor={near}")
 
 
 def head_dim(cfg) -> int:
@@ -229,8 +345,8 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
 
     devices = list(devices)
     platform = devices[0].platform
-    shape = mesh_shape(cfg, len(devices))
-    mesh = Mesh(device_grid(devices, shape), ("replica", "data", "fsdp")) if comm_devices else None
+    shape = mesh_shape(cfg, len(devices), platform, device_hbm(devices[0]))
+    mesh = Mesh(device_grid(devices, shape), ("replica", "data", "fsdp", "tensor")) if comm_devices else None
     att, att_why = attention(cfg, platform)
     rem, rem_why = remat(cfg, platform)
     sc, sc_why = scan(cfg)
@@ -240,23 +356,26 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
     mesh_why = ("mesh.* set" if int(cfg.mesh.get("fsdp", 1)) != 0 else
                 "fsdp auto: " + ("every device on data (toy scale)" if cfg.scale in TOY_SCALES
                                  else "FSDP over every device of a replica"))
+    tensor_why = {} if int(cfg.mesh.get("tensor", 1)) else {  # auto: how it was chosen
+        "tensor": tensor_size(cfg, len(devices) // shape[0], platform, device_hbm(devices[0]),
+                              replicas_here(cfg, shape[0]))[1]}
     gpu_flags = tuple(f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_gpu_"))
     return Plan(platform=platform, devices=len(devices), mesh=tuple(int(x) for x in shape),
                 attention=att, remat=rem, scan=sc, exchange=ex, matmul_precision=mp,
                 why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why,
-                     "matmul_precision": mp_why},
+                     "matmul_precision": mp_why, **tensor_why},
                 schedule=sched, xla_flags=gpu_flags if platform == "gpu" else ())
 
 
 # The config fields the plan resolves: `diloco sweep` compares the plans, not these fields' text.
 PLANNED_FIELDS = ("model.attention", "model.remat_policy", "model.remat", "model.scan", "exchange",
-                  "mesh.replica_axis", "mesh.data", "mesh.fsdp")
+                  "mesh.replica_axis", "mesh.data", "mesh.fsdp", "mesh.tensor")
 
 
 def choices(cfg, platform: str, n_devices: int) -> dict[str, Any]:
     """The plan's choices (what `Plan.to_json` records) a config resolves to on `n_devices` of
     `platform`, without devices at hand (no comm devices: the exchange as without them)."""
-    return {"mesh": dict(zip(("replica", "data", "fsdp"), (int(x) for x in mesh_shape(cfg, n_devices)))),
+    return {"mesh": mesh_dict(mesh_shape(cfg, n_devices, platform)),
             "attention": attention(cfg, platform)[0], "remat": remat(cfg, platform)[0], "scan": scan(cfg)[0],
             "exchange": exchange(cfg, platform)[0]}
 

@@ -135,6 +135,7 @@ DECLARED: dict[str, object] = {
     "mesh.replica_axis": Num(int, 0, fix="0 (auto) or a divisor of replicas"),
     "mesh.data": Num(int, -1, fix="≥ 1, or -1 for the remaining devices"),
     "mesh.fsdp": Num(int, -1, fix="≥ 1, -1 for the remaining devices, or 0 (auto)"),
+    "mesh.tensor": Num(int, 0, fix="≥ 1, or 0 (auto: the smallest that fits)"),
     "mesh.rules": Text("name=axis[+axis],… (diloco/config.py mesh_rules)"),
     "downstream.tasks": Text("'' or task names (diloco eval --help)"), "downstream.every": NONNEG,
     "downstream.limit": NONNEG, "downstream.data_dir": Text("a folder or ''"),

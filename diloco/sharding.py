@@ -1,6 +1,8 @@
 """The mesh and every sharding of a run's state and batches (the Trainer's layout).
 
-Mesh axes ("replica", "data", "fsdp"): replicas on `replica`, a replica's chips on data × fsdp.
+Mesh axes ("replica", "data", "fsdp", "tensor"): replicas on `replica`, a replica's chips on data × fsdp ×
+tensor (tensor: Megatron-style splits of heads, MLP and vocabulary, config.TENSOR_RULES; the batch rows are
+split over data × fsdp only, the chips of a tensor group read the same rows).
 
   replica_sharding     P("replica"): a replica-stacked array, one replica's row per replica group
   replicated_sharding  P(): the same whole array on every device (steps, keys, masks, eval batches
@@ -9,7 +11,8 @@ Mesh axes ("replica", "data", "fsdp"): replicas on `replica`, a replica's chips 
   parameter leaves     `replica` on the leading axis, the rest by the logical axis rules (`mesh.rules`,
                        diloco/config.py mesh_rules) through each parameter's names (diloco/model)
   outer state          θᵍ (and a subtree-shaped outer-optimizer state) like one replica's parameters; flat
-                       per-fragment vectors (pending Δ, nesterov's momentum) over data × fsdp when they divide
+                       per-fragment vectors (pending Δ, nesterov's momentum) over data × fsdp × tensor when
+                       they divide
 
 `state_shardings(layout, state)` gives the shardings of a whole TrainState-shaped tree.
 """
@@ -22,16 +25,29 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diloco.config import mesh_rules
+from diloco.config import TENSOR_RULES, mesh_rules
 from diloco.distributed import device_grid
 from diloco.model import param_logical_axes
 
-AXES = ("replica", "data", "fsdp")
+AXES = ("replica", "data", "fsdp", "tensor")
 
 
-def make_mesh(devices, shape: tuple[int, int, int]) -> Mesh:
-    """The (replica, data, fsdp) mesh of `devices` (one slice in order; several: JAX's hybrid mesh)."""
+def make_mesh(devices, shape: tuple[int, int, int, int]) -> Mesh:
+    """The (replica, data, fsdp, tensor) mesh of `devices` (one slice in order; several: JAX's hybrid mesh)."""
     return Mesh(device_grid(list(devices), tuple(shape)), AXES)
+
+
+def with_tensor_rules(rules: tuple, tensor: int) -> tuple:
+    """`rules` (mesh.rules) with TENSOR_RULES after them for the names they leave out, when tensor > 1; as given
+    at tensor 1 (the programs of a run without a tensor axis are unchanged)."""
+    named = {name for name, _ in rules}
+    return tuple(rules) + (tuple(r for r in TENSOR_RULES if r[0] not in named) if tensor > 1 else ())
+
+
+def inner_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes of a replica's chips that split a flat outer vector: data, fsdp, and tensor when it is > 1
+    (a run without a tensor axis keeps its programs)."""
+    return tuple(a for a in ("data", "fsdp", "tensor") if a in mesh.shape and (a != "tensor" or mesh.shape[a] > 1))
 
 
 def path_keys(path) -> tuple:
@@ -57,7 +73,7 @@ class Layout:
         n_dev = mesh.devices.size  # the eval batch is split over every device when its rows allow
         self.eval_batch_sharding = (NamedSharding(mesh, P(("replica", "data", "fsdp")))
                                     if (cfg.batch_size // R * R) % n_dev == 0 else self.replicated_sharding)
-        self.rules = mesh_rules(cfg)  # flax logical axis rules from `mesh.rules` (validated there)
+        self.rules = with_tensor_rules(mesh_rules(cfg), mesh.shape.get("tensor", 1))  # flax logical axis rules
         self._param_names: dict | None = None
 
     def param_names(self) -> dict:
@@ -110,15 +126,16 @@ class Layout:
         return self.outer_param_sharding(x.shape, names) if names else self.flat_sharding(x.shape)
 
     def flat_sharding(self, shape) -> NamedSharding:
-        """Outer per-fragment flat vectors (momentum, pending Δ): over data×fsdp when they divide."""
-        k = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        """Outer per-fragment flat vectors (momentum, pending Δ): over data×fsdp(×tensor) when they divide."""
+        axes = inner_axes(self.mesh)
+        k = int(np.prod([self.mesh.shape[a] for a in axes]))
         ok = len(shape) == 1 and k > 1 and shape[0] % k == 0
-        return NamedSharding(self.mesh, P(("data", "fsdp")) if ok else P())
+        return NamedSharding(self.mesh, P(axes) if ok else P())
 
     def activation_rules(self) -> bool:
         """Trace the model under the mesh and rules (activation constraints on): only when a replica's
-        parameters are sharded (fsdp > 1); otherwise the programs are the same as without rules."""
-        return self.mesh.shape["fsdp"] > 1
+        parameters are sharded (fsdp > 1 or tensor > 1); otherwise the programs are the same as without rules."""
+        return self.mesh.shape["fsdp"] > 1 or self.mesh.shape.get("tensor", 1) > 1
 
     def in_rules(self, fn, batch_axes: tuple | None | bool = False, outside_shard_map: bool = False):
         """`fn` traced with the mesh and logical rules in context, so the model's activation constraints

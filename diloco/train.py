@@ -373,6 +373,7 @@ class Run:
     def summary(self) -> dict:
         from diloco.data import corpus_info
         from diloco.outer.sync import params_sha256
+        from diloco.resolve import mesh_dict
         from diloco.rundir import versions
 
         cfg, tr, c = self.cfg, self.tr, self.counters
@@ -399,7 +400,7 @@ class Run:
             "fragment_sizes": list(sync.frags.sizes) if sync else None,
             "corpus": corpus_info(cfg.data, cfg.data_dir or None),
             "versions": versions(),
-            "mesh": dict(tr.mesh.shape),
+            "mesh": mesh_dict(tr.mesh.shape),
             "resolved": tr.plan.to_json(),  # every `auto` of the config as this run resolved it (diloco/resolve.py)
         })
         if cfg.downstream.tasks:

@@ -271,9 +271,9 @@ class Trainer:
             finite = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
             return optax.apply_updates(params, updates), opt2, ce, finite
 
-        # With fsdp = 1 (parameters whole on every chip of a replica) the gradient mean over `data` is
-        # one flat all-reduce; with fsdp > 1 GSPMD places the reduce-scatters/all-gathers itself.
-        flat_reduce = self.mesh.shape["data"] > 1 and self.mesh.shape["fsdp"] == 1
+        # With fsdp = tensor = 1 (parameters whole on every chip of a replica) the gradient mean over `data` is
+        # one flat all-reduce; with fsdp or tensor > 1 GSPMD places the reduce-scatters/all-gathers itself.
+        flat_reduce = self.mesh.shape["data"] > 1 and self.mesh.shape["fsdp"] == self.mesh.shape["tensor"] == 1
         if flat_reduce:
             # Gradients averaged over the `data` axis as ONE flat vector (token-weighted, so the
             # masked mean is exact): GSPMD would all-reduce a tuple of every parameter's gradient,

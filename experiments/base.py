@@ -66,7 +66,10 @@ def get_config() -> ml_collections.ConfigDict:
     # rules: logical axis name → mesh axes inside a replica ("name=axis[+axis],…"; diloco/config.py mesh_rules):
     # parameters/AdamW moments/θᵍ and the activations are laid out by them (docs/distributed.md).
     # fsdp 0 = auto: 1 at the toy scales, every device of a replica at the paper's scales (resolve.mesh_shape).
-    c.mesh = ml_collections.ConfigDict(dict(replica_axis=0, data=-1, fsdp=0, rules="batch=data+fsdp,embed=fsdp"))
+    # tensor: chips of a replica splitting heads, MLP and vocabulary (Megatron-style; 0 or `auto`: the smallest
+    # that fits, resolve.tensor_size); data × fsdp × tensor = the devices of a replica.
+    c.mesh = ml_collections.ConfigDict(dict(replica_axis=0, data=-1, fsdp=0, tensor=1,
+                                            rules="batch=data+fsdp,embed=fsdp"))
     c.downstream = ml_collections.ConfigDict(dict(tasks="", every=0, limit=0, data_dir=""))
     c.faults = ml_collections.ConfigDict(dict(
         miss_sync_replica=-1, miss_sync_step=0,           # replica m skips the send at that step

@@ -88,6 +88,8 @@ BAD = [
         r"mesh.data and mesh.fsdp are both -1", devices=2),
     Bad("mesh_data_not_divisor", {"mesh.data": 2, "mesh.fsdp": 2}, "mesh.data",
         r"2 does not divide the 1 devices of one replica", devices=2),
+    Bad("mesh_tensor_not_heads", {"mesh.tensor": 4, "batch_size": 8}, "mesh.tensor",
+        r"4 does not divide the 2 heads .*; use mesh.tensor=2", devices=8),
     Bad("replica_axis", {"mesh.replica_axis": 3}, "mesh.replica_axis", r"3 must divide both the 1 devices and replicas=2",
         devices=1),
     Bad("eager_rounds_without_eager", {"eager_rounds": 2}, "eager_rounds", r"eager_rounds=2 needs eager=naive"),

@@ -290,7 +290,7 @@ def run(tr, st, steps):
 one = Trainer(cfg_for(-1, 1), devices=jax.devices()[:1])
 a, ce_a, sent_a = run(one, one.fresh_state(), range(1, 10))
 tr = Trainer(cfg_for(2, -1), devices=jax.devices())
-assert dict(tr.mesh.shape) == {"replica": 2, "data": 2, "fsdp": 2}, tr.mesh.shape
+assert dict(tr.mesh.shape) == {"replica": 2, "data": 2, "fsdp": 2, "tensor": 1}, tr.mesh.shape
 st, ce_b1, sent_b1 = run(tr, tr.fresh_state(), range(1, 6))
 big = max(jax.tree_util.tree_leaves(st.outer.params), key=lambda x: x.size)
 assert big.addressable_shards[0].data.size * 2 == big.size, "theta_g not sharded over fsdp"
@@ -304,7 +304,7 @@ for x, y in zip(jax.tree_util.tree_leaves(a.outer.params), jax.tree_util.tree_le
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 # move the run: restore onto another mesh shape and continue
 tr2 = Trainer(cfg_for(1, -1), devices=jax.devices())
-assert dict(tr2.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 4}
+assert dict(tr2.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 4, "tensor": 1}
 ck = Checkpointer(CK, 2); step, st2, _ = ck.restore(tr2.abstract_state()); ck.close()
 assert step == 5
 ck = Checkpointer(CK, 2); _, st1, _ = ck.restore(tr.abstract_state()); ck.close()
@@ -377,17 +377,17 @@ def test_bad_mesh_is_one_line_error_naming_the_field(over, field, why):
 def test_mesh_defaults_keep_every_device_on_data():
     from diloco.resolve import mesh_shape
 
-    assert mesh_shape(tiny_config("dp", batch_size=16), 8) == (1, 8, 1)
-    assert mesh_shape(tiny_config("streaming", batch_size=16), 8) == (2, 4, 1)
-    assert mesh_shape(tiny_config("streaming", batch_size=16, **{"mesh.fsdp": -1, "mesh.data": 2}), 8) == (2, 2, 2)
+    assert mesh_shape(tiny_config("dp", batch_size=16), 8) == (1, 8, 1, 1)
+    assert mesh_shape(tiny_config("streaming", batch_size=16), 8) == (2, 4, 1, 1)
+    assert mesh_shape(tiny_config("streaming", batch_size=16, **{"mesh.fsdp": -1, "mesh.data": 2}), 8) == (2, 2, 2, 1)
 
 
 @pytest.mark.parametrize("scale,over,want", [
-    ("tiny", {}, (2, 4, 1)),                        # toy scales: every device of a replica on data
-    ("35M", {}, (2, 1, 4)),                         # paper scales: FSDP over every device of a replica
-    ("4B", {}, (2, 1, 4)),
-    ("4B", {"mesh.data": 2}, (2, 2, 2)),            # a given data axis keeps its size; fsdp takes the rest
-    ("4B", {"mesh.fsdp": 1}, (2, 4, 1)),            # an explicit size is never overridden
+    ("tiny", {}, (2, 4, 1, 1)),                     # toy scales: every device of a replica on data
+    ("35M", {}, (2, 1, 4, 1)),                      # paper scales: FSDP over every device of a replica
+    ("4B", {}, (2, 1, 4, 1)),
+    ("4B", {"mesh.data": 2}, (2, 2, 2, 1)),         # a given data axis keeps its size; fsdp takes the rest
+    ("4B", {"mesh.fsdp": 1}, (2, 4, 1, 1)),         # an explicit size is never overridden
 ])
 def test_mesh_fsdp_auto_shards_the_paper_scales(scale, over, want):
     from diloco.resolve import mesh_shape

@@ -172,8 +172,10 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hl
             r["fits"] = r["peak_bytes_per_chip"] <= limit
     peak = max((r.get("peak_bytes_per_chip", 0) for r in progs), default=0)
     colls = [dict(c, program=r["program"]) for r in progs for c in r.get("collectives", [])]
+    from diloco.resolve import mesh_dict
+
     return {"topology": topology, "slices": slices, "chips": len(devices), "chip_kind": devices[0].device_kind,
-            "chip_hbm_bytes": hbm, "usable_bytes": limit, "mesh": dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
+            "chip_hbm_bytes": hbm, "usable_bytes": limit, "mesh": mesh_dict(tr.mesh.shape), "params": tr.n_params, "method": cfg.method,
             "H": cfg.H, "tau": cfg.tau, "exchange": tr.driver.exchange if tr.driver is not None else "dp",
             "resolved": tr.plan.to_json(),  # every `auto` as this compile resolved it (diloco/resolve.py)
             "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "xla_flags": os.environ.get("XLA_FLAGS", ""),

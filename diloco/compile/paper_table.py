@@ -167,7 +167,7 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     is the largest of the programs compiled, and `fits` is decided on it. A result under `cache`
     (keyed by the config, the slice and `compiled_with()`) is returned without compiling."""
     from diloco.config import to_json
-    from diloco.resolve import mesh_shape
+    from diloco.resolve import mesh_dict, mesh_shape
     from diloco.trainer import Trainer
 
     devices = gpu_devices(topology) if chip in GPU_SPECS else tpu_devices(topology)
@@ -202,7 +202,7 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     if ok and len(progs) < len(names):
         note = (note + "; " if note else "") + "inner/eval do not fit: the rest not compiled"
     row = {"scale": scale, "method": method, "chip": chip, "topology": topology, "chips": chips,
-           "devices": len(devices), "mesh": "×".join(f"{k}{v}" for k, v in tr.mesh.shape.items()),
+           "devices": len(devices), "mesh": "×".join(f"{k}{v}" for k, v in mesh_dict(tr.mesh.shape).items()),
            "params": tr.n_params, "global_batch": cfg.batch_size, "seq_len": cfg.seq_len,
            "scan": tr.mcfg.scan, "remat": tr.mcfg.checkpoint_policy, "attention": tr.mcfg.attention,
            "device_hbm_gib": round(hbm / GiB, 2), "state_gib": round(got["state_bytes_per_chip"] / GiB, 3),

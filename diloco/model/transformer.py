@@ -124,34 +124,35 @@ def splash_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, interpret: bool) -> jax.Ar
     """Causal multi-head attention with the Pallas splash kernel (jax.experimental.pallas.ops.tpu):
     scores are computed tile by tile in VMEM and never stored whole, forward or backward. The kernel
     takes one sequence (H, L, K); it is vmapped over the batch, and when a mesh is in context
-    (`Trainer.in_rules`) wrapped in a shard_map over the mesh axes of the "batch" rule, since XLA cannot
-    partition a custom kernel itself. `interpret` runs the kernel's Python body (CPU tests)."""
+    (`Trainer.in_rules`) wrapped in a shard_map over the mesh axes of the "batch" and "heads" rules (under
+    tensor parallelism each chip attends with its own heads), since XLA cannot partition a custom kernel itself. `interpret` runs the kernel's Python body (CPU tests)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    B, L, H, K = q_BxLxHxK.shape
+    B, L, _, K = q_BxLxHxK.shape
     if L % SPLASH_BLOCK:
         raise ConfigError("model.attention", f"splash needs the sequence length ({L}) to be a multiple of "
                           f"{SPLASH_BLOCK}; use attention=xla")
     blk = SPLASH_BLOCK
     sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
                           block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-    kernel = sk.make_splash_mha(sm.MultiHeadMask([sm.CausalMask((L, L)) for _ in range(H)]), block_sizes=sizes,
-                                head_shards=1, q_seq_shards=1, interpret=interpret)
     dt = q_BxLxHxK.dtype
 
     def heads_first(x_BxLxHxK):
         return jnp.swapaxes(x_BxLxHxK, 1, 2)
 
-    def attend(q, k, v):
+    def attend(q, k, v):  # this chip's rows and heads
+        kernel = sk.make_splash_mha(sm.MultiHeadMask([sm.CausalMask((L, L)) for _ in range(q.shape[2])]),
+                                    block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
         out_BxHxLxK = jax.vmap(kernel)(heads_first(q * jnp.asarray(K**-0.5, dt)), heads_first(k), heads_first(v))
         return heads_first(out_BxHxLxK).astype(dt)
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
-    batch_axes = nn.logical_to_mesh_axes(("batch",))[0]
-    spec = jax.sharding.PartitionSpec(batch_axes)
+    batch_axes, heads_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    spec = (jax.sharding.PartitionSpec(batch_axes, None, heads_axes) if heads_axes
+            else jax.sharding.PartitionSpec(batch_axes))
     return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 

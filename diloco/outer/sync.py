@@ -10,7 +10,7 @@ The algorithm contract these implement is stated once, in docs/architecture.md.
 
 Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is identical
 on every replica by construction, and sharded over the chips of a replica (the Trainer's layout).
-With a mesh whose replica rows have several chips (data × fsdp), each chip encodes and exchanges only
+With a mesh whose replica rows have several chips (data × fsdp × tensor), each chip encodes and exchanges only
 its own slice of a fragment when the slices are whole codec blocks (`OuterSync.shards`).
 
 Plain sends compute Δ with `OuterSync.delta`; what a send encodes and where its average lands is its
@@ -147,8 +147,8 @@ class OuterSync:
         return -(-n // k) * k
 
     def chips(self) -> int:
-        """Chips of one replica (data × fsdp)."""
-        return self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        """Chips of one replica (data × fsdp × tensor)."""
+        return self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1) * self.mesh.shape.get("tensor", 1)
 
     def shards(self, n: int) -> int:
         """Chips of one replica that split a fragment of length n for the exchange: each encodes and
@@ -180,7 +180,8 @@ class OuterSync:
         if self.mesh is None or self.mesh.shape["replica"] == 1:
             return local(delta_Rxn, keys_R, w_R, _identity)
         gather = functools.partial(jax.lax.all_gather, axis_name="replica", tiled=True)
-        inner = tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)
+        inner = tuple(a for a in ("data", "fsdp", "tensor")  # a replica's chips (as diloco/sharding.py inner_axes)
+                      if a in self.mesh.shape and (a != "tensor" or self.mesh.shape[a] > 1))
         n = delta_Rxn.shape[1]
         split = self.shards(n) > 1
         if split and self.padded(n) > n:  # zeros to whole blocks per chip; their (zero) blocks decode to 0

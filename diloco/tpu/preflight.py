@@ -88,7 +88,7 @@ def check_point(point: dict, extra: list[str], sl: accelerators.Slice, slices: i
         if e.field not in ("batch_size", "mesh.replica_axis", "mesh.fsdp", "mesh.data"):
             raise _point_error(e, point["name"]) from None
         r_axis = n if R % n == 0 else math.gcd(R, n)
-        per_dev = n // r_axis  # devices of one replica's data×fsdp axes
+        per_dev = n // r_axis // max(1, int(cfg.mesh.get("tensor", 1)))  # devices of one replica's data×fsdp axes
         good_b = -(-cfg.batch_size // (R * per_dev)) * R * per_dev
         raise ConfigError(e.field, f"point {point['name']}: {str(e).split(': ', 1)[-1]}; with {slices}×{sl.chips} "
                           f"chips use --set batch_size={good_b}") from None
