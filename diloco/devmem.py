@@ -5,7 +5,8 @@ The peak of a compiled program is what XLA's memory analysis says it holds at on
 outputs aliased to donated arguments + temporaries (on one H200 the 35M inner step's prediction was within 0.1 %
 of the allocator's peak_bytes_in_use: results/gpu/README.md). The limit is the device's `bytes_limit`: the pool JAX
 preallocates, XLA_PYTHON_CLIENT_MEM_FRACTION of the card (`diloco train` sets 0.90 unless it is set already; JAX's
-own default is 0.75)."""
+own default is 0.75). Before anything compiles, `estimate_peak` guesses the inner step's peak per remat policy, from
+which resolve.py's `auto` remat picks on a GPU (`choose_remat`)."""
 from __future__ import annotations
 
 import os
@@ -32,9 +33,74 @@ def program_peak(compiled) -> int:
     return max(held, int(getattr(ma, "peak_memory_in_bytes", 0) or 0))
 
 
-def refusal(peaks: dict[str, int], limit: int, cfg, replicas: int) -> str | None:
+# What a compiled inner step holds on a GPU beyond its state, per token of the (micro)batch on the device: (bytes per
+# vocabulary row, bytes per layer × d_model) for each remat policy. Fitted on the paper's 35M and 1B Streaming
+# specs (bf16, cuDNN attention, nn.scan, seq 1024) compiled for h200:1x1x8 (CHANGELOG #41); on the other compiles
+# (one H200, accum_steps, results/gpu/memory.csv's 35M–10B at seq 2048) the estimate is 0.85–1.2× the compiled peak.
+ACT_BYTES = {"none": (2.327, 112.8), "save_dots": (1.935, 20.51), "full": (1.914, 4.484)}
+FIT_SHARE = 0.85  # a policy is chosen when its estimate is at most this share of the device's limit
+
+
+def estimate_peak(cfg, policy: str, mesh: tuple, n_params: int, vocab_rows: int) -> int:
+    """Bytes per device of a run's inner step under remat `policy` on the mesh (replica, data, fsdp[, tensor]): fp32
+    parameters, AdamW moments and gradients of the replicas on a device (and the outer θᵍ, momentum and pending Δ)
+    over fsdp × tensor, plus ACT_BYTES per token of a microbatch (a second gradient buffer with accum_steps > 1);
+    XLA attention's scores (no fused kernel) add 6 bytes per head × position per layer. An estimate (no compile):
+    the preflight checks the compiled programs."""
+    from diloco.model.scales import SCALES
+
+    s = SCALES[cfg.scale]
+    r_axis, data, fsdp = (int(x) for x in mesh[:3])
+    tensor = int(mesh[3]) if len(mesh) > 3 else 1
+    R = 1 if cfg.method == "dp" else cfg.replicas
+    r_dev, k = R // r_axis, int(cfg.get("accum_steps", 1))
+    grads = 4 * r_dev * (2 if k > 1 else 1)  # with accumulation: the running sum and a microbatch's
+    state = n_params * (12 * r_dev + grads + (0 if R == 1 else 12)) / (fsdp * tensor)
+    tokens = cfg.batch_size // R // k * cfg.seq_len * r_dev / (data * fsdp)
+    per_vocab, per_layer = ACT_BYTES[policy]
+    per_token = per_vocab * vocab_rows + per_layer * s.layers * s.d_model
+    if cfg.model.get("attention", "auto") not in ("auto", "cudnn", "splash") or cfg.model.dtype == "float32":
+        per_token += 6 * s.heads * cfg.seq_len * (s.layers if policy != "full" else 1)
+    return int(state + tokens * per_token)
+
+
+def choose_remat(cfg, mesh: tuple, limit: int, n_params: int, vocab_rows: int) -> tuple[str, str]:
+    """(remat policy, why) on a GPU whose pool is `limit` bytes: the first of none, save_dots whose estimated peak
+    (estimate_peak) is at most FIT_SHARE of it, else full; the why names the estimates and the limit."""
+    est = {p: estimate_peak(cfg, p, mesh, n_params, vocab_rows) for p in ("none", "save_dots", "full")}
+    shown = ", ".join(f"{p} {b / GIB:.1f}" for p, b in est.items())
+    for p in ("none", "save_dots"):
+        if est[p] <= FIT_SHARE * limit:
+            return p, (f"GPU memory: {p} fits (estimated peak GiB per device: {shown}; "
+                       f"{FIT_SHARE:.0%} of the {limit / GIB:.1f} GiB limit)")
+    fits = "only full fits" if est["full"] <= FIT_SHARE * limit else "none fits, full needs least (the preflight decides)"
+    return "full", (f"GPU memory: {fits} (estimated peak GiB per device: {shown}; "
+                    f"{FIT_SHARE:.0%} of the {limit / GIB:.1f} GiB limit)")
+
+
+def device_limit(device) -> int | None:
+    """What one program may hold on a GPU: the device's bytes_limit, or for a GPU described from a target spec (no
+    memory stats: `diloco compile --topology h200:…`) its memory × XLA_PYTHON_CLIENT_MEM_FRACTION; None elsewhere."""
+    if device.platform != "gpu":
+        return None
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # a deviceless topology's GPU has no allocator
+        limit = None
+    if limit:
+        return int(limit)
+    from diloco.compile.gpu import GPU_SPECS, gpu_spec, gpu_usable_bytes
+
+    kind = getattr(device, "device_kind", "")
+    chip = next((c for c in GPU_SPECS if f'name: "{kind}"' in gpu_spec(c)), None)
+    return gpu_usable_bytes(chip) if chip and kind else None
+
+
+def refusal(peaks: dict[str, int], limit: int, cfg, replicas: int, remat: str | None = None,
+            batch_devices: int = 1) -> str | None:
     """The one line refusing a run whose largest program peak exceeds `limit` (bytes per device), naming the
-    program, its peak, the limit and the levers; None when every program fits."""
+    program, its peak, the limit and the levers; None when every program fits. `remat`: the plan's policy (default:
+    the config's); `batch_devices`: the data×fsdp devices of a replica (a microbatch splits over them)."""
     if not peaks:
         return None
     name, peak = max(peaks.items(), key=lambda kv: kv[1])
@@ -51,8 +117,15 @@ def refusal(peaks: dict[str, int], limit: int, cfg, replicas: int) -> str | None
                       "moments) or more GPUs per replica (mesh.fsdp)")
     else:
         levers.append("more GPUs (mesh.fsdp shards the state over them)")
-    if cfg.model.get("remat_policy", "auto") != "full" and not cfg.model.get("remat", False):
+    if remat is None:
+        remat = "full" if cfg.model.get("remat", False) else cfg.model.get("remat_policy", "auto")
+    if remat != "full":
         levers.append("model.remat_policy=full")
+    k = int(cfg.get("accum_steps", 1))
+    per = cfg.batch_size // replicas
+    if per % (2 * k) == 0 and (per // (2 * k)) % batch_devices == 0:
+        levers.append(f"gradient accumulation (accum_steps={2 * k}, now {k}: the step's activations for "
+                      f"{per // (2 * k)} sequences of a replica at a time, the same batch)")
     levers.append(f"a smaller batch_size (now {cfg.batch_size})")
     if f < float(MEM_FRACTION):
         levers.append(f"a larger XLA_PYTHON_CLIENT_MEM_FRACTION (the pool is {f:g} of the card's "
@@ -71,7 +144,9 @@ def check_fits_device(peaks: dict[str, int], trainer, device) -> dict | None:
     limit = stats.get("bytes_limit")
     if not limit:
         return None
-    line = refusal(peaks, int(limit), trainer.cfg, trainer.R)
+    plan = getattr(trainer, "plan", None)
+    line = refusal(peaks, int(limit), trainer.cfg, trainer.R, plan.remat if plan else None,
+                   int(plan.mesh[1]) * int(plan.mesh[2]) if plan else 1)
     if line:
         raise ConfigError("batch_size", line)
     name, peak = max(peaks.items(), key=lambda kv: kv[1])

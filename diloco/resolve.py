@@ -40,13 +40,16 @@ class Plan:
     # GPU only: the XLA_FLAGS of XLA's GPU compiler this process compiles with (diloco/compile/gpu.py's
     # overlap flags, or the user's); recorded, not compared (the programs' numbers do not depend on them)
     xla_flags: tuple = dataclasses.field(default=(), compare=False)
+    # GPU only: bytes one program may hold on a device (devmem.device_limit), what remat `auto` was chosen against
+    device_limit: int = dataclasses.field(default=0, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"platform": self.platform, "devices": self.devices,
                 "mesh": mesh_dict(self.mesh), "attention": self.attention,
                 "matmul_precision": self.matmul_precision,
                 "remat": self.remat, "scan": self.scan, "exchange": self.exchange, "why": dict(self.why),
-                **({"xla_flags": list(self.xla_flags)} if self.xla_flags else {})}
+                **({"xla_flags": list(self.xla_flags)} if self.xla_flags else {}),
+                **({"device_limit_bytes": self.device_limit} if self.device_limit else {})}
 
     def lines(self) -> list[str]:
         """The plan as `diloco compile` prints it: one choice a line, with its reason."""
@@ -244,20 +247,26 @@ def attention(cfg, platform: str) -> tuple[str, str]:
     return "xla", f"{platform}: einsum + softmax"
 
 
-def remat(cfg, platform: str) -> tuple[str, str]:
-    """(`model.remat_policy` resolved, why): nothing on CPU or at the toy scales (memory is not the limit
-    there); on accelerators every block recomputed from 1B up (activations dominate a chip's memory,
-    docs/distributed.md), the matmul outputs kept below it."""
+def remat(cfg, platform: str, shape: tuple | None = None, limit: int | None = None) -> tuple[str, str]:
+    """(`model.remat_policy` resolved, why): nothing at the toy scales (memory is not the limit there); at the
+    paper's scales on a GPU whose memory is known (`limit` bytes per device, the mesh `shape`) the least recompute
+    whose estimated peak fits (devmem.choose_remat: none, save_dots, else full), elsewhere (TPU, CPU) every block
+    recomputed (activations dominate a chip's memory, docs/distributed.md; what the paper specs always ran)."""
     want = cfg.model.remat_policy
     if want != "auto":
         return want, "set in the config"
     if cfg.model.remat:
         return "full", "model.remat=true"
-    if platform == "cpu" or cfg.scale in TOY_SCALES:
-        return "none", "CPU or a toy scale: memory is not the limit"
-    if formula_params(cfg.scale) >= 1e9:
-        return "full", f"{platform}, {cfg.scale} ≥ 1B parameters: recompute every block"
-    return "save_dots", f"{platform}, {cfg.scale} < 1B parameters: keep the matmul outputs"
+    if cfg.scale in TOY_SCALES:
+        return "none", "a toy scale: memory is not the limit"
+    if platform == "gpu" and shape is not None and limit:
+        from diloco.devmem import choose_remat
+        from diloco.model.scales import BYTE_VOCAB, padded_vocab, run_vocab
+
+        V = padded_vocab(BYTE_VOCAB if cfg.vocab == "byte" else run_vocab(cfg.scale)[1])
+        return choose_remat(cfg, shape, limit, formula_params(cfg.scale, V), V)
+    return "full", f"{platform}, a paper scale" + (" (the GPU's memory unknown)" if platform == "gpu" else "") + \
+        ": recompute every block"
 
 
 def scan(cfg) -> tuple[bool, str]:
@@ -348,7 +357,10 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
     shape = mesh_shape(cfg, len(devices), platform, device_hbm(devices[0]))
     mesh = Mesh(device_grid(devices, shape), ("replica", "data", "fsdp", "tensor")) if comm_devices else None
     att, att_why = attention(cfg, platform)
-    rem, rem_why = remat(cfg, platform)
+    from diloco.devmem import device_limit
+
+    limit = device_limit(devices[0]) or 0
+    rem, rem_why = remat(cfg, platform, shape, limit)
     sc, sc_why = scan(cfg)
     mp, mp_why = matmul_precision(cfg, platform)
     sched = outer_schedule(cfg)
@@ -364,7 +376,7 @@ def resolve(cfg, devices, comm_devices=None) -> Plan:
                 attention=att, remat=rem, scan=sc, exchange=ex, matmul_precision=mp,
                 why={"mesh": mesh_why, "attention": att_why, "remat": rem_why, "scan": sc_why, "exchange": ex_why,
                      "matmul_precision": mp_why, **tensor_why},
-                schedule=sched, xla_flags=gpu_flags if platform == "gpu" else ())
+                schedule=sched, xla_flags=gpu_flags if platform == "gpu" else (), device_limit=limit)
 
 
 # The config fields the plan resolves: `diloco sweep` compares the plans, not these fields' text.
@@ -372,11 +384,14 @@ PLANNED_FIELDS = ("model.attention", "model.remat_policy", "model.remat", "model
                   "mesh.replica_axis", "mesh.data", "mesh.fsdp", "mesh.tensor")
 
 
-def choices(cfg, platform: str, n_devices: int) -> dict[str, Any]:
+def choices(cfg, platform: str, n_devices: int, limit: int = 0) -> dict[str, Any]:
     """The plan's choices (what `Plan.to_json` records) a config resolves to on `n_devices` of
-    `platform`, without devices at hand (no comm devices: the exchange as without them)."""
-    return {"mesh": mesh_dict(mesh_shape(cfg, n_devices, platform)),
-            "attention": attention(cfg, platform)[0], "remat": remat(cfg, platform)[0], "scan": scan(cfg)[0],
+    `platform` (`limit`: a GPU's bytes per program, as recorded), without devices at hand (no comm devices: the
+    exchange as without them)."""
+    shape = mesh_shape(cfg, n_devices, platform)
+    return {"mesh": mesh_dict(shape),
+            "attention": attention(cfg, platform)[0], "remat": remat(cfg, platform, shape, limit)[0],
+            "scan": scan(cfg)[0],
             "exchange": exchange(cfg, platform)[0]}
 
 
@@ -386,7 +401,8 @@ def stale_choices(recorded: dict, cfg) -> list[str]:
     the record cannot be compared. A recorded comm-device exchange is not compared (it depends on the
     launch, not the config)."""
     try:
-        now = choices(cfg, recorded["platform"], int(recorded["devices"]))
+        now = choices(cfg, recorded["platform"], int(recorded["devices"]),
+                      int(recorded.get("device_limit_bytes", 0)))
     except Exception:  # an older or foreign record, or a config this device count refuses
         return []
     return sorted(f"resolved.{k}" for k, v in now.items()

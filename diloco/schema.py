@@ -112,8 +112,8 @@ DECLARED: dict[str, object] = {
     "method": OneOf(_methods), "scale": OneOf(_scales),
     "data": Text("e.g. stdlib, c4, jsonl:<glob>, tokens:<store> (diloco/data/specs.py)"),
     "data_dir": Text("a TFDS data_dir or ''"), "vocab": Text("byte or sentencepiece:<path>"),
-    "seq_len": POS, "batch_size": POS, "steps": POS, "seed": NONNEG, "log_every": POS, "eval_every": POS,
-    "eval_batches": POS, "exchange": OneOf(("auto", "blocking", "in_step")), "eval_drain": OneOf(("final", "every")),
+    "seq_len": POS, "batch_size": POS, "accum_steps": POS, "steps": POS, "seed": NONNEG, "log_every": POS,
+    "eval_every": POS, "eval_batches": POS, "exchange": OneOf(("auto", "blocking", "in_step")), "eval_drain": OneOf(("final", "every")),
     "checkpoint_every": POS, "keep_checkpoints": POS,
     "replicas": POS, "H": POS, "tau": NONNEG, "replica_tau": Text("'' or one τ per replica: '0,1,…'"),
     "alpha": FRACTION, "fragments": NONNEG, "layers_per_fragment": NONNEG, "pattern": OneOf(_patterns),
@@ -164,6 +164,10 @@ def cross(cfg, warn=lambda line: print(f"warning: {line}", file=sys.stderr)) -> 
     if cfg.codec not in SPARSE_NAMES and cfg.codec_keep_fraction != 1.0:
         raise ConfigError("codec_keep_fraction", f"{cfg.codec_keep_fraction} applies to {', '.join(SPARSE_NAMES)} "
                           f"only; codec={cfg.codec} keeps every element: drop it or use one of those codecs")
+    per_replica = cfg.batch_size // (1 if cfg.method == "dp" else cfg.replicas)
+    if per_replica % cfg.get("accum_steps", 1):
+        raise ConfigError("accum_steps", f"{cfg.get('accum_steps', 1)} does not divide the batch of a replica "
+                          f"({per_replica} sequences); use a divisor of it")
     if cfg.method == "dp":
         for key in [k for k, default in DP_IGNORES.items() if cfg[k] != default]:
             warn(f"{key}={cfg[key]!r} is ignored by method=dp (it syncs every step, uncompressed)")

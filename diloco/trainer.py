@@ -85,6 +85,7 @@ class Trainer:
         devices = list(devices if devices is not None else jax.devices())
         self.plan = resolve.resolve(cfg, devices, comm_devices)  # every `auto`, once (summary.json "resolved")
         resolve.apply_matmul_precision(cfg, self.plan)  # before anything is traced
+        check_accum(cfg, self.plan.mesh[1] * self.plan.mesh[2])
         self.mesh = make_mesh(devices, self.plan.mesh)
         self.vocab = get_vocabulary(cfg.vocab)
         self.mcfg = model_config(cfg, padded_vocab_size(self.vocab.vocab_size), self.plan)
@@ -254,11 +255,14 @@ class Trainer:
         if active is not None:
             mask = self.sync.frags.mask_tree(self.param_shapes, active)
 
-        def grad(params, tokens, *poison):
+        def grad1(params, tokens, *poison):
             lossf = self.loss if not poison else (
                 lambda p, x: jax.tree_util.tree_map(lambda v: v * poison[0], self.loss(p, x)))
             (loss, aux), grads = jax.value_and_grad(lossf, has_aux=True)(params, tokens)
             return loss, aux, grads
+
+        k = int(self.cfg.get("accum_steps", 1))
+        grad = grad1 if k == 1 else accumulated(grad1, k)
 
         def one(params, opt, tokens, *poison):
             loss, aux, grads = grad(params, tokens, *poison)
@@ -327,6 +331,43 @@ class Trainer:
 
     def dp_bytes_per_replica(self) -> int:
         return self.n_params * np.dtype(jnp.dtype(self.cfg.dp_grad_dtype)).itemsize
+
+
+def check_accum(cfg, batch_devices: int) -> None:
+    """ConfigError (one line) unless each of the accum_steps microbatches of a replica's batch splits evenly over
+    the `batch_devices` devices of its data×fsdp axes."""
+    k = int(cfg.get("accum_steps", 1))
+    per = cfg.batch_size // (1 if cfg.method == "dp" else cfg.replicas)
+    if k > 1 and (per % k or (per // k) % batch_devices):
+        raise ConfigError("accum_steps", f"{k} microbatches of the per-replica batch {per} do not split over the "
+                          f"{batch_devices} devices of the data×fsdp axes; use a k with {per} / k a multiple of "
+                          f"{batch_devices}")
+
+
+def accumulated(grad1, k: int):
+    """`grad1(params, tokens_BxL, *poison) → (loss, aux, grads)` over k microbatches of B/k sequences, one at a
+    time (gradient accumulation: activations of B/k sequences live at once): the token-weighted mean of the
+    microbatches' losses and gradients, which is the whole batch's (loss_fn is a mean over unmasked tokens), up to
+    float32 summation order. Microbatch i is rows i, i+k, i+2k, …: a batch split over devices by rows keeps every
+    microbatch on every device, so nothing moves."""
+    def run(params, tokens_BxL, *poison):
+        B = tokens_BxL.shape[0]
+        mb_KxBkxL = jnp.swapaxes(tokens_BxL.reshape(B // k, k, -1), 0, 1)
+
+        def weighted(mb_BkxL):
+            loss, aux, grads = grad1(params, mb_BkxL, *poison)
+            w = aux["tokens"]
+            return loss * w, aux["ce"] * w, aux["z"] * w, w, jax.tree_util.tree_map(lambda g: g * w, grads)
+
+        def body(carry, mb_BkxL):
+            return jax.tree_util.tree_map(jnp.add, carry, weighted(mb_BkxL)), None
+
+        # the sum starts from microbatch 0 (laid out like the gradients it adds to), the rest are scanned
+        (loss, ce, z, n, grads), _ = jax.lax.scan(body, weighted(mb_KxBkxL[0]), mb_KxBkxL[1:])
+        d = jnp.maximum(n, 1.0)
+        grads = jax.tree_util.tree_map(lambda g: g / d, grads)
+        return loss / d, {"ce": ce / d, "z": z / d, "tokens": n}, grads
+    return run
 
 
 def unraveler(shapes):

@@ -11,6 +11,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.vocab = "byte"               # byte | sentencepiece:<path>
     c.seq_len = 128
     c.batch_size = 16              # global, in sequences (each replica gets batch_size / replicas)
+    c.accum_steps = 1              # gradient accumulation: each inner step averages the gradients of this many
+                                   # microbatches of its batch, run one after another (less activation memory)
     c.steps = 300
     c.seed = 0
     c.log_every = 10

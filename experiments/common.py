@@ -54,7 +54,7 @@ def sized(c, scale: str, replicas: int | None = 2, budget: float = 1.0, data: st
     c.optimizer.warmup_steps = 1000                     # [SL] §2b
     c.optimizer.min_lr_ratio = 0.05                     # cosine to 5% of peak ([SL])
     c.optimizer.weight_decay = round(1.0 / c.steps, 8)  # [SL]: λ = 1/T
-    c.model.dtype, c.model.remat = "bfloat16", True
+    c.model.dtype = "bfloat16"  # remat_policy auto: full on TPU, chosen by memory on a GPU (diloco/resolve.py)
     c.log_every, c.eval_every, c.checkpoint_every, c.eval_batches = 100, 1000, 1000, 64
     return c
 

@@ -142,13 +142,14 @@ def test_without_the_overlap_flags_the_exchange_waits_for_the_step():
 @needs_plugin
 def test_35m_streaming_for_8_h200_calls_cudnn_and_overlaps_both_layer_loops(shared_dir):
     """The paper's 35M Streaming spec (bf16, head dim 64: cuDNN's fused attention; nn.scan; FSDP over a
-    replica's 4 GPUs): cuDNN's custom calls are in the compiled step, the peak fits, and the exchange's
+    replica's 4 GPUs; no remat: the memory estimate fits the H200's pool): cuDNN's custom calls are in the compiled step, the peak fits, and the exchange's
     window holds both layer loops (forward and backward): every dot of the program."""
     rep = compile_node("--config", "experiments/c4_scaling.py:35M,streaming_ovl_fp4_h100",
                        f"--config.vocab=sentencepiece:{shared_dir / SPM}", "--programs", "inner,step+send 0,eval")
     res = rep["resolved"]
-    assert (res["attention"], res["scan"], res["mesh"], res["exchange"]) == (
-        "cudnn", True, {"replica": 2, "data": 1, "fsdp": 4}, "in_step")
+    assert (res["attention"], res["scan"], res["mesh"], res["exchange"], res["remat"]) == (
+        "cudnn", True, {"replica": 2, "data": 1, "fsdp": 4}, "in_step", "none")
+    assert res["why"]["remat"].startswith("GPU memory: none fits") and res["device_limit_bytes"] == H200_USABLE
     progs = {p["program"]: p for p in rep["programs"]}
     for name in ("inner", "step+send 0", "eval"):
         assert any(c.startswith("__cudnn$") for c in progs[name]["custom_calls"]), (name, progs[name]["custom_calls"])

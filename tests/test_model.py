@@ -300,7 +300,7 @@ def test_the_model_takes_concrete_attention_only():
 
 
 @pytest.mark.parametrize("scale,platform,over,want", [
-    ("tiny", "tpu", {}, "none"), ("35M", "cpu", {}, "none"), ("35M", "tpu", {}, "save_dots"),
+    ("tiny", "tpu", {}, "none"), ("35M", "cpu", {}, "full"), ("35M", "tpu", {}, "full"),
     ("1B", "gpu", {}, "full"), ("35M", "tpu", {"remat": True}, "full"), ("4B", "tpu", {"remat_policy": "none"}, "none")])
 def test_remat_is_resolved_by_scale_and_platform(scale, platform, over, want):
     from diloco import resolve
