@@ -16,7 +16,9 @@ process save a checkpoint at a step they agree on and exit 130; the batch script
 (`scontrol requeue`), which resumes from that checkpoint bit-identically. A plain `scancel` (SIGTERM to
 the batch shell too) checkpoints the same way and leaves the job cancelled: the same sweep command
 submits it again and it resumes. Logs: `slurm/<jobid>.out` (the batch shell) and
-`slurm/<jobid>-task<N>.log` per process. Run folders and the token store must be on a path every node
+`slurm/<jobid>-task<N>.log` per process. `--array [P]`: the points as one job array instead
+(`<root>/<sweep>/slurm/array.sh`, task i the i-th point not done, at most P running; each task requeues
+alone; batch shell logs `<root>/<sweep>/slurm/<arrayjob>_<i>.out`). Run folders and the token store must be on a path every node
 sees.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Resources:
     account: str = ""
     grace_s: int = 120
     extra: tuple[str, ...] = ()  # raw sbatch options, e.g. "--constraint=h100"
+    array: int | None = None  # the points as one job array, at most this many running (0: no limit)
 
     def check(self) -> "Resources":
         for name, v in (("--nodes", self.nodes), ("--tasks-per-node", self.tasks_per_node)):
@@ -59,6 +62,8 @@ class Resources:
             if self.tasks_per_node not in (1, self.gpus_per_node):
                 raise ConfigError("--tasks-per-node", f"--per gpu runs one process per GPU: "
                                   f"{self.gpus_per_node} per node, not {self.tasks_per_node}; drop --tasks-per-node")
+        if self.array is not None and self.array < 0:
+            raise ConfigError("--array", f"{self.array} must be ≥ 0 (0: no limit on tasks running at once)")
         if self.grace_s < 10:
             raise ConfigError("--grace", f"{self.grace_s} s leaves no time to save a checkpoint; give ≥ 10")
         return self
@@ -68,8 +73,8 @@ class Resources:
         return self.gpus_per_node if self.per == "gpu" else self.tasks_per_node
 
 
-def sbatch_options(name: str, logs: Path, r: Resources) -> list[str]:
-    opts = [f"--job-name={name}", f"--output={logs}/%j.out", f"--nodes={r.nodes}", f"--ntasks-per-node={r.tasks}",
+def sbatch_options(name: str, logs: Path, r: Resources, out: str = "%j.out") -> list[str]:
+    opts = [f"--job-name={name}", f"--output={logs}/{out}", f"--nodes={r.nodes}", f"--ntasks-per-node={r.tasks}",
             "--requeue", "--open-mode=append", f"--signal=B:USR1@{r.grace_s}"]
     opts += [f"--gpus-per-node={r.gpus_per_node}"] * (r.gpus_per_node > 0)
     opts += [f"--{k}={v}" for k, v in (("partition", r.partition), ("time", r.time), ("account", r.account)) if v]
@@ -79,19 +84,31 @@ def sbatch_options(name: str, logs: Path, r: Resources) -> list[str]:
 def job_script(name: str, train: list[str], workdir: Path, r: Resources, cwd: Path) -> str:
     """The batch script of one point: srun starts the processes; a signal is passed on as SIGTERM
     (checkpoint, exit 130) and the job requeues itself unless the batch shell itself was cancelled."""
-    logs = workdir / "slurm"
+    return batch_script(name, [(workdir, train)], workdir / "slurm", r, cwd)
+
+
+def batch_script(name: str, runs: list[tuple[Path, list[str]]], logs: Path, r: Resources, cwd: Path) -> str:
+    """job_script's text for one run, or with r.array for every run as one job array: task i runs runs[i]
+    (its batch shell logs to logs/<array job>_<i>.out; its processes, as a lone job's, to <workdir>/slurm/)."""
     env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
     if r.gpus_per_node:  # per node: all its GPUs (JAX alone would give each process GPU SLURM_LOCALID)
         env["DILOCO_LOCAL_DEVICE_IDS"] = ",".join(map(str, range(r.gpus_per_node))) if r.per == "node" else "task"
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(name, logs, r)),
+    if r.array is None:
+        opts, pick = sbatch_options(name, logs, r), [f"wd={shlex.quote(str(runs[0][0]))}; train=({shlex.join(runs[0][1])})"]
+    else:
+        opts = [*sbatch_options(name, logs, r, "%A_%a.out"), f"--array=0-{len(runs) - 1}" + f"%{r.array}" * (r.array > 0)]
+        pick = ['case "$SLURM_ARRAY_TASK_ID" in',
+                *(f"  {i}) wd={shlex.quote(str(wd))}; train=({shlex.join(t)}) ;;" for i, (wd, t) in enumerate(runs)),
+                '  *) echo "diloco: no point for array task $SLURM_ARRAY_TASK_ID"; exit 2 ;;', "esac"]
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
              "# written by `diloco sweep --launch slurm` (diloco/slurm.py); `sbatch` this file to resubmit",
              "set -u", f"cd {shlex.quote(str(cwd))}",
-             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()), *pick,
              'stop=""; pid=""',
              "pass_on() { stop=$1; [ -n \"$pid\" ] && kill -TERM \"$pid\" 2>/dev/null; }",
              "trap 'pass_on time' USR1", "trap 'pass_on cancel' TERM",
              "echo \"diloco: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST\"",
-             f"srun --kill-on-bad-exit=1 --output={shlex.quote(str(logs))}/%j-task%t.log {shlex.join(train)} &",
+             'srun --kill-on-bad-exit=1 --output="$wd/slurm/%j-task%t.log" "${train[@]}" &',
              "pid=$!",
              'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done  # a trap ends `wait` early',
              'wait "$pid"; rc=$?',
@@ -126,28 +143,38 @@ def submit(script: Path) -> str:
 
 def launch(points: list[dict], sweep_name: str, root: Path, r: Resources, extra: list[str],
            train_command, dry_run: bool = False) -> list[tuple[str, str]]:
-    """Writes every point's job script, asks the scheduler about all of them, then submits those not
-    done yet. [(point name, job id or 'done' or the script path on a dry run)]."""
+    """Writes every point's job script (with r.array: one array script, ROOT/<sweep>/slurm/array.sh, task i
+    the i-th point not done), asks the scheduler about all of them, then submits them.
+    [(point name, job id (array: <job>_<task>) or 'done' or the script path on a dry run)]."""
     from diloco.config import REPO_ROOT
 
     r.check()
-    scripts = []
+    runs = []  # (point name, workdir, train command) of the points not done
     for pt in points:
         wd = (root / sweep_name / pt["name"]).resolve()
-        if (wd / "summary.json").exists():
-            scripts.append((pt["name"], None))
-            continue
-        (wd / "slurm").mkdir(parents=True, exist_ok=True)
-        script = wd / "slurm" / "job.sh"
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"diloco-{sweep_name}-{pt['name']}")[:120]
-        script.write_text(job_script(name, train_command(pt, wd, extra), wd, r, REPO_ROOT))
-        scripts.append((pt["name"], script))
-    if dry_run:
-        return [(n, str(s) if s else "done") for n, s in scripts]
-    for _, s in scripts:
-        if s:
+        if not (wd / "summary.json").exists():
+            (wd / "slurm").mkdir(parents=True, exist_ok=True)
+            runs.append((pt["name"], wd, train_command(pt, wd, extra)))
+
+    def tag(n: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", f"diloco-{sweep_name}-{n}")[:120]
+
+    if r.array is not None and runs:
+        logs = (root / sweep_name / "slurm").resolve()
+        logs.mkdir(parents=True, exist_ok=True)
+        scripts = [(logs / "array.sh", batch_script(tag("array"), [(wd, t) for _, wd, t in runs], logs, r, REPO_ROOT))]
+    else:
+        scripts = [(wd / "slurm" / "job.sh", job_script(tag(n), t, wd, r, REPO_ROOT)) for n, wd, t in runs]
+    for s, text in scripts:
+        s.write_text(text)
+    if not dry_run:
+        for s, _ in scripts:
             ask_scheduler(s)
-    return [(n, submit(s) if s else "done") for n, s in scripts]
+    ids = [str(s) if dry_run else submit(s) for s, _ in scripts]
+    if r.array is not None and runs:
+        ids = [f"{ids[0]} (task {i})" if dry_run else f"{ids[0]}_{i}" for i in range(len(runs))]
+    got = {n: i for (n, _, _), i in zip(runs, ids)}
+    return [(pt["name"], got.get(pt["name"], "done")) for pt in points]
 
 
 def add_arguments(ap) -> None:
@@ -162,11 +189,13 @@ def add_arguments(ap) -> None:
     g.add_argument("--account", default="", help="SLURM account")
     g.add_argument("--grace", type=int, default=120, help="seconds before the time limit to checkpoint")
     g.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="a raw sbatch option, repeatable")
+    g.add_argument("--array", nargs="?", type=int, const=0, default=None, metavar="P", help="the points not done as "
+                   "one job array (sbatch --array), at most P tasks at once (no P: no limit)")
 
 
 def from_args(args) -> Resources:
     return Resources(args.nodes, args.tasks_per_node, args.gpus_per_node, args.per, args.partition, args.time,
-                     args.account, args.grace, tuple(args.sbatch))
+                     args.account, args.grace, tuple(args.sbatch), args.array)
 
 
 def report(jobs: list[tuple[str, str]], root: Path, sweep_name: str, dry_run: bool) -> int:
@@ -176,5 +205,5 @@ def report(jobs: list[tuple[str, str]], root: Path, sweep_name: str, dry_run: bo
         print("# dry run: job scripts written, nothing submitted", file=sys.stderr)
     else:
         print(f"submitted {sum(j != 'done' for _, j in jobs)} job(s); `squeue --me` watches them, "
-              f"`diloco tables {root / sweep_name}` reads the results", file=sys.stderr)
+              f"`diloco tables --root {root / sweep_name}` reads the results", file=sys.stderr)
     return 0

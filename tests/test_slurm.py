@@ -57,9 +57,43 @@ def test_the_job_script_of_each_layout(tmp_path):
     assert bash.returncode == 0, bash.stderr
 
 
+def test_an_array_job_runs_the_tasks_point_and_requeues_only_that_task(tmp_path):
+    """`--array 2`: one script, task i runs point i. Run by bash with srun and scontrol stubbed: task 1 starts
+    point 1's command with its own log folder; steps exiting 130 (a checkpoint after SIGTERM) requeue that task."""
+    def sweep_launch(dry_run):
+        pts = [{"name": "a"}, {"name": "b c"}, {"name": "d"}]
+        (tmp_path / "s" / "d").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "s" / "d" / "summary.json").write_text("{}")  # finished: no task
+        return slurm.launch(pts, "s", tmp_path, slurm.Resources(tasks_per_node=2, array=2), [],
+                            lambda pt, wd, extra: ["train", "--workdir", str(wd)], dry_run=dry_run)
+    script = tmp_path / "s" / "slurm" / "array.sh"
+    assert sweep_launch(True) == [("a", f"{script} (task 0)"), ("b c", f"{script} (task 1)"), ("d", "done")]
+    text = script.read_text()
+    assert "#SBATCH --array=0-1%2" in text and f"#SBATCH --output={tmp_path}/s/slurm/%A_%a.out" in text
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text('#!/bin/bash\necho "srun $*" >> "$CALLS"; exit "$SRUN_RC"\n')
+    (stubs / "scontrol").write_text('#!/bin/bash\necho "scontrol $*" >> "$CALLS"\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    for rc, requeued in ((0, False), (130, True)):
+        calls = tmp_path / f"calls{rc}"
+        env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "CALLS": str(calls), "SRUN_RC": str(rc),
+               "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n1"}
+        p = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+        assert p.returncode == rc, p.stdout + p.stderr
+        wd = tmp_path / "s" / "b c"
+        assert calls.read_text().splitlines() == [
+            f"srun --kill-on-bad-exit=1 --output={wd}/slurm/%j-task%t.log train --workdir {wd}",
+            *(["scontrol requeue 77"] if requeued else [])]
+    p = subprocess.run(["bash", str(script)], env={**env, "SLURM_ARRAY_TASK_ID": "2"}, capture_output=True, text=True)
+    assert p.returncode == 2 and "no point for array task 2" in p.stdout
+
+
 @pytest.mark.parametrize("kw,field", [({"nodes": 0}, "--nodes"), ({"per": "gpu"}, "--per"),
                                       ({"per": "gpu", "gpus_per_node": 4, "tasks_per_node": 2}, "--tasks-per-node"),
-                                      ({"gpus_per_node": -1}, "--gpus-per-node"), ({"grace_s": 3}, "--grace")])
+                                      ({"gpus_per_node": -1}, "--gpus-per-node"), ({"grace_s": 3}, "--grace"),
+                                      ({"array": -1}, "--array")])
 def test_impossible_resources_are_one_line_naming_the_option(kw, field):
     with pytest.raises(ConfigError) as e:
         slurm.Resources(**kw).check()
