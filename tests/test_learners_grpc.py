@@ -65,6 +65,44 @@ def test_two_learners_give_the_spmd_runs_numbers(tmp_path):
     assert stats["rejected"] == {} and stats["dropped_late"] == {}
 
 
+def test_quantized_answers_keep_every_learner_on_the_synchronizers_theta(tmp_path):
+    """`--answer codec`: a learner holding round k−1 gets θᵍ_p's update quantized with the run's codec (E3M0 here)
+    and adds it with the synchronizer's own program: two learners end on the synchronizer's θᵍ bit for bit,
+    having received the codec's bytes per round instead of 4 per element; without `have` the answer is fp32."""
+    from diloco.learners import common
+    from diloco.learners.client import Learner, SyncClient
+    from diloco.outer import codecs
+    from diloco.outer.sync import params_sha256
+
+    cfg = tiny_config("streaming", **OVER)
+    syncer, server, port = start(cfg, answer="codec")
+    out = {}
+
+    def learner(m):
+        client = SyncClient(f"grpc://127.0.0.1:{port}", TOKEN, m, common.fingerprint(cfg))
+        out[m] = Learner(cfg, m, client, os.fspath(tmp_path / f"learner{m}")).train()
+
+    threads = [threading.Thread(target=learner, args=(m,)) for m in range(2)]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    assert sorted(out) == [0, 1]
+    assert out[0]["params_sha256"] == out[1]["params_sha256"] == params_sha256(syncer.outer.params)
+    sizes, codec = syncer.sync.frags.sizes, syncer.sync.codec
+    join = 4 * sum(sizes) + 200  # the Join at the start: fp32 θᵍ, header
+    quantized = sum(r * codecs.encoded_nbytes(codec, n) for r, n in zip(out[0]["rounds"], sizes))
+    assert quantized < out[0]["bytes_received"] - join < quantized + 400 * sum(out[0]["rounds"])  # headers ≤ 400 B
+    client = SyncClient(f"127.0.0.1:{port}", TOKEN, 0, common.fingerprint(cfg), timeout=60, retry_for=0)
+    zeros = {n: np.zeros(s, d) for n, d, s, _ in syncer.expect.layout(0)}
+    k = syncer.rounds.merged[0] + 1
+    one = SyncClient(f"127.0.0.1:{port}", TOKEN, 1, common.fingerprint(cfg), timeout=60, retry_for=0)
+    pending = one.push(0, k, 64, "e3m0", zeros, have=k - 1)
+    h, theta = client.answer(client.push(0, k, 64, "e3m0", zeros))  # no `have`: fp32
+    assert "base" not in h and np.array_equal(theta, np.asarray(syncer.sync.frags.flatten(syncer.outer.params, 0)))
+    h, update = one.answer(pending)
+    assert h["base"] == k - 1 and sorted(update) == ["codes", "scales"]
+    server.stop(0)
+
+
 def test_bad_messages_are_refused_and_the_service_keeps_serving(tmp_path):
     from diloco.learners import common, proto
     from diloco.learners.client import SyncClient

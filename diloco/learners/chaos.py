@@ -43,11 +43,12 @@ class Cluster:
     """The processes of one run: the synchronizer on a fixed port (so that a restarted one is found again)
     and the learners, each logging to ROOT/<name>.log."""
 
-    def __init__(self, root: Path, flags: list[str], learners: int, quorum: int | None, grace: float | None):
+    def __init__(self, root: Path, flags: list[str], learners: int, quorum: int | None, grace: float | None,
+                 answer: str = "fp32"):
         self.root, self.flags, self.M = root, flags, learners
         self.port = free_port()
         self.env = {**os.environ, "DILOCO_SYNC_TOKEN": TOKEN, "XLA_FLAGS": ""}
-        self.syncer_args = ["--port", str(self.port), "--workdir", os.fspath(root / "syncer")]
+        self.syncer_args = ["--port", str(self.port), "--workdir", os.fspath(root / "syncer"), "--answer", answer]
         self.syncer_args += [] if quorum is None else ["--quorum", str(quorum)]
         self.syncer_args += [] if grace is None else ["--grace", str(grace)]
         self.procs: dict[str, subprocess.Popen] = {}
@@ -106,11 +107,11 @@ class Cluster:
 
 
 def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict, quorum: int | None,
-        grace: float | None, sleep: float = 0.2, timeout: float = 600) -> dict:
+        grace: float | None, sleep: float = 0.2, timeout: float = 600, answer: str = "fp32") -> dict:
     """One chaos run; its counters and measurements (see the module's docstring)."""
     flags = ["--config", "experiments/toy.py:streaming", f"--config.replicas={learners}", f"--config.steps={steps}",
              *[f"--config.{k}={v}" for k, v in overrides.items()]]
-    c, events = Cluster(root, flags, learners, quorum, grace), {}
+    c, events = Cluster(root, flags, learners, quorum, grace, answer), {}
     deadline = time.time() + timeout
     try:
         c.syncer()

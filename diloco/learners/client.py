@@ -98,12 +98,16 @@ class SyncClient:
                 time.sleep(wait)
                 wait, body = min(2 * wait, self.BACKOFF[1]), again or body
 
-    def push(self, p: int, k: int, tokens: int, codec: str, arrays: dict[str, np.ndarray], retry: bool = False):
-        """Round k of fragment p: the codec's arrays in name order; returns a Pending of the answer."""
+    def push(self, p: int, k: int, tokens: int, codec: str, arrays: dict[str, np.ndarray], retry: bool = False,
+             have: int | None = None):
+        """Round k of fragment p: the codec's arrays in name order; returns a Pending of the answer. `have`:
+        the round this learner's θᵍ_p is at (k − 1 lets the synchronizer answer with a quantized update)."""
         names = sorted(arrays)
         head = {"v": proto.VERSION, "learner": self.learner, "fragment": p, "round": k, "tokens": int(tokens),
                 "fingerprint": self.fingerprint, "codec": codec,
                 "arrays": [[n, arrays[n].dtype.name, list(arrays[n].shape)] for n in names]}
+        if have is not None:  # absent: the answer is θᵍ_p in fp32
+            head["have"] = have
         payload = b"".join(np.ascontiguousarray(arrays[n]).tobytes() for n in names)
         body, again = proto.frame({**head, "retry": retry}, payload), proto.frame({**head, "retry": True}, payload)
         self.sent += len(body)
@@ -112,12 +116,20 @@ class SyncClient:
         pending.fut = self.pool.submit(self.call, "Push", body, again, pending)
         return pending
 
-    def answer(self, pending: Pending) -> tuple[dict, np.ndarray]:
-        """(header, θᵍ_p fp32) of a pushed round, waiting for it."""
+    def answer(self, pending: Pending) -> tuple[dict, np.ndarray | dict]:
+        """(header, θᵍ_p fp32) of a pushed round, waiting for it; for a quantized answer (header `base`) the
+        codec's arrays of the update instead."""
         body = pending.fut.result()
         self.received += len(body)
         head, payload = proto.unframe(body)
-        return head, np.frombuffer(payload, np.float32)
+        if "base" not in head:
+            return head, np.frombuffer(payload, np.float32)
+        out, at = {}, 0
+        for name, dtype, shape in head["arrays"]:
+            nb = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            out[name] = np.frombuffer(payload[at:at + nb], dtype).reshape(shape)
+            at += nb
+        return head, out
 
     def join(self) -> tuple[list[np.ndarray], dict]:
         """θᵍ per fragment (fp32) and the header: `merged` (last merged round per fragment), `mine`."""
@@ -179,6 +191,13 @@ class Learner:
                     return codecs.encode(sync.codec, sync.delta(state.params, state.outer, p)[0], jax.random.split(key, M)[m])
             elif kind == "theta":  # θᵍ_p from the synchronizer into the outer params
                 def f(state, theta_n):
+                    return state.replace(outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,
+                                                                                                theta_n)))
+            elif kind == "update":  # a quantized answer: θᵍ_p + decode(update), the synchronizer's program
+                add = common.apply_update(sync.codec, sync.frags.sizes[p])
+
+                def f(state, payload):
+                    theta_n = add(sync.frags.flatten(state.outer.params, p), payload)
                     return state.replace(outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,
                                                                                                 theta_n)))
             elif kind == "adopt":  # catching up: θᵍ_p as outer and as this learner's own fragment p
@@ -245,7 +264,8 @@ class Learner:
             self.rounds[p] += 1
             tokens, self.last_send[p] = (t - self.last_send[p]) * tokens_per_step, t
             self.inflight[p] = (self.rounds[p], self.client.push(p, self.rounds[p], tokens, self.sync.codec.name,
-                                                                 {k: np.asarray(v) for k, v in arrays.items()}))
+                                                                 {k: np.asarray(v) for k, v in arrays.items()},
+                                                                 have=self.rounds[p] - 1))
         for p in self.schedule.outer_updates(t):
             if p in self.inflight and not self.inflight[p][1].wait():
                 self.owed.add(p)  # the synchronizer is unreachable: train on, apply when it answers
@@ -264,7 +284,10 @@ class Learner:
         if head["round"] < k or head["fragment"] != p:
             raise RuntimeError(f"asked fragment {p} round {k}, got {head['fragment']} round {head['round']}")
         self.rounds[p] = max(self.rounds[p], head["round"])  # a late contribution gets the newest θᵍ_p
-        self.state = self.program("theta", p)(self.state, theta)
+        if "base" in head:  # quantized: the update from round k − 1, which this learner holds
+            self.state = self.program("update", p)(self.state, theta)
+        else:
+            self.state = self.program("theta", p)(self.state, theta)
         if merge:
             self.owed.discard(p)
             self.state = self.program("merge", p)(self.state, jnp.ones((1,), bool))

@@ -77,6 +77,16 @@ def payload_layouts(sync) -> tuple:
     return tuple(out)
 
 
+def apply_update(codec, n: int):
+    """θᵍ_p ← θᵍ_p + decode(update): how a quantized answer is applied, one jitted function that the
+    synchronizer and every learner run alike (the same program: the same bits on both sides)."""
+    import jax
+
+    from diloco.outer import codecs
+
+    return jax.jit(lambda theta_n, payload: theta_n + codecs.decode(codec, payload, n))
+
+
 def read_token(token_file: str | None) -> str:
     """The shared token: the file's first line, else $DILOCO_SYNC_TOKEN; neither is one line of bad input."""
     if token_file:

@@ -7,13 +7,16 @@ codec's own bytes either way):
 
     frame   = u32 big-endian header length | header (UTF-8 JSON object) | payload bytes
     Push    learner → syncer  header {v, learner, fragment, round, tokens, fingerprint, codec,
-                                       arrays: [[name, dtype, shape], ...], retry: bool (optional)}
+                                       arrays: [[name, dtype, shape], ...], retry: bool, have: int (both
+                                       optional; have: the round the learner's θᵍ_p is at)}
                               payload: the codec's arrays (codecs.encode of Δ_m,p), in `arrays` order,
                               each C-ordered, little-endian
             syncer → learner  header {v, fragment, round, merged: [learner ids], dropped: reason|null,
                                        arrays: [[name, dtype, shape], ...]}
-                              payload: θᵍ_p after that round's outer step, fp32; `round` is the round
-                              θᵍ_p is at (a late or retried contribution may get a later one)
+                              payload: θᵍ_p after that round's outer step, fp32 ["theta"]; `round` is the
+                              round θᵍ_p is at (a late contribution gets the newest). With `diloco syncer
+                              --answer codec` and `have` = round − 1: the codec's arrays of θᵍ_p's update
+                              since round `base` = have instead (common.apply_update adds it)
     Join    learner → syncer  header {v, learner, fingerprint}; answer: every fragment's θᵍ_p, fp32, the
                               last merged round per fragment (merged) and this learner's last recorded
                               round per fragment (mine)
@@ -86,6 +89,9 @@ def check_push(header: dict, payload: bytes, expect, learners: int, fragments: i
     check_fields(header, PUSH_FIELDS)
     if not isinstance(header.get("retry", False), bool):
         raise Rejected(f"malformed header: field 'retry' must be bool, got {header['retry']!r:.60}")
+    have = header.get("have", 0)
+    if not isinstance(have, int) or isinstance(have, bool) or have < 0:
+        raise Rejected(f"malformed header: field 'have' must be an int ≥ 0, got {have!r:.60}")
     if not hmac.compare_digest(header["fingerprint"], expect.fingerprint):
         raise Rejected(f"wrong config: fingerprint {header['fingerprint'][:12]}… is not this synchronizer's "
                        f"{expect.fingerprint[:12]}… (start every learner with the syncer's --config)")

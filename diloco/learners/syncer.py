@@ -35,9 +35,10 @@ class Synchronizer:
     `workdir`, every merge is checkpointed (diloco/checkpoint.py: orbax, atomic, checksummed) before any
     learner gets its answer, and a synchronizer started on that workdir resumes from the newest one."""
 
-    def __init__(self, cfg, quorum: int | None = None, grace: float | None = None, workdir=None,
+    def __init__(self, cfg, quorum: int | None = None, grace: float | None = None, workdir=None, answer: str = "fp32",
                  clock=time.monotonic, log=lambda msg: print(msg, file=sys.stderr, flush=True)):
         import jax
+        import jax.numpy as jnp
 
         from diloco.trainer import Trainer
 
@@ -48,9 +49,13 @@ class Synchronizer:
         self.learners, P = cfg.replicas, self.sync.frags.P
         self.expect = common.Expect(common.fingerprint(cfg), self.sync.codec.name, common.payload_layouts(self.sync))
         self.rounds = Rounds(self.learners, P, quorum, grace)
+        if answer not in ("fp32", "codec"):
+            raise ConfigError("answer", f"{answer!r}: fp32 (θᵍ_p) or codec (its update, quantized with the run's codec)")
+        self.quantize = answer == "codec" and self.sync.codec.name != "none"
+        self.residual = tuple(jnp.zeros((n,), jnp.float32) for n in self.sync.frags.sizes)  # of quantized answers
         self.clock, self.log = clock, log
         self.cond = threading.Condition()
-        self.answers: dict[tuple[int, int], tuple[dict, bytes]] = {}  # (p, k) → the round's answer frame parts
+        self.answers: dict[tuple[int, int], dict] = {}  # (p, k) → the round's answer: head, theta, update bytes
         self.rejected: collections.Counter = collections.Counter()
         self.bytes_in = self.bytes_out = self.resumed = 0
         self.failed: str | None = None
@@ -66,9 +71,10 @@ class Synchronizer:
 
         ck = Checkpointer(path(workdir) / "ckpt", keep=2)
         got = ck.restore(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                                self.outer))
+                                                {"outer": self.outer, "residual": self.residual}))
         if got is not None:
-            step, self.outer, meta = got
+            step, tree, meta = got
+            self.outer, self.residual = tree["outer"], tuple(tree["residual"])
             if meta["fingerprint"] != self.expect.fingerprint:
                 raise ConfigError("config", f"the checkpoint in {workdir} is of another run config: start the "
                                             "synchronizer with that run's --config, or use a new --workdir")
@@ -79,7 +85,7 @@ class Synchronizer:
 
     def save(self) -> None:
         if self.ck is not None:  # step: merges so far (grows by one per merge)
-            self.ck.save(sum(self.rounds.merged), self.outer, {
+            self.ck.save(sum(self.rounds.merged), {"outer": self.outer, "residual": self.residual}, {
                 "rounds": self.rounds.meta(), "fingerprint": self.expect.fingerprint, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "resumed": self.resumed})
 
@@ -100,6 +106,16 @@ class Synchronizer:
                 def f(params, opt_p, avg_n):
                     params, opt_p = sync.outer_step(params, opt_p, avg_n, p)
                     return params, opt_p, sync.frags.flatten(params, p)
+            elif kind == "quantize":  # the update since θᵍ_p's last round, plus what earlier answers left out
+                def f(old_n, new_n, resid_n, key):
+                    u_n = new_n - old_n + resid_n
+                    payload = codecs.encode(sync.codec, u_n, key)
+                    return payload, u_n - codecs.decode(sync.codec, payload, n)
+            elif kind == "apply":
+                f = common.apply_update(sync.codec, n)
+            elif kind == "set":
+                def f(params, theta_n):
+                    return sync.frags.unflatten(params, p, theta_n)
             else:
                 raise ValueError(kind)
             self._jit[(kind, p)] = jax.jit(f)
@@ -108,12 +124,23 @@ class Synchronizer:
     def merge(self, p: int, k: int) -> None:
         """Merge round k of fragment p (under self.cond): average, outer step, checkpoint, then the answer is
         kept for its learners. Any exception: MergeFailed for every waiter, and the service stops."""
+        import jax
+
         got = self.rounds.take(p, k)
         try:
             w = np.asarray(weights([tok for _, tok, _ in got]), np.float32)
             payload = {name: np.stack([pl[name] for *_, pl in got]) for name in got[0][2]}
             avg = self.program("average", p)(payload, w)
+            old_n = self.sync.frags.flatten(self.outer.params, p)
             params, opt_p, theta_n = self.program("step", p)(self.outer.params, self.outer.opt[p], avg)
+            update = None
+            if self.quantize:  # θᵍ_p moves by exactly what the answer carries; the rest waits in the residual
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.tr.cfg.seed), p), k)
+                pl, resid = self.program("quantize", p)(old_n, theta_n, self.residual[p], key)
+                theta_n = self.program("apply", p)(old_n, pl)
+                params = self.program("set", p)(params, theta_n)
+                self.residual = self.residual[:p] + (resid,) + self.residual[p + 1:]
+                update = {name: np.asarray(a) for name, a in sorted(pl.items())}
             self.outer = self.outer.replace(params=params, opt=self.outer.opt[:p] + (opt_p,) + self.outer.opt[p + 1:])
             theta = np.asarray(theta_n, np.float32)
             self.save()
@@ -124,15 +151,21 @@ class Synchronizer:
             raise MergeFailed(self.failed) from e
         head = {"v": proto.VERSION, "fragment": p, "round": k, "merged": [m for m, *_ in got],
                 "tokens": [int(t) for _, t, _ in got], "arrays": [["theta", "float32", list(theta.shape)]]}
-        self.answers[(p, k)] = (head, theta.tobytes())
+        self.answers[(p, k)] = {"head": head, "theta": theta.tobytes(), "update": update}
         self.answers.pop((p, k - 4), None)  # a learner waits for its own round only; keep a few
         self.log(f"diloco syncer: merged fragment {p} round {k} from learners {head['merged']} "
                  f"(tokens {head['tokens']})")
 
-    def reply(self, p: int, k: int) -> tuple[dict, bytes]:
-        """Round k's answer while it is kept, else θᵍ_p as it is now (its round: the last merged)."""
+    def reply(self, p: int, k: int, have: int | None = None) -> tuple[dict, bytes]:
+        """Round k's answer while it is kept, else θᵍ_p as it is now (its round: the last merged). Quantized
+        (the codec's update from round k−1, header `base`) when the learner holds round k−1 (`have`)."""
         if (p, k) in self.answers:
-            return self.answers[(p, k)]
+            a = self.answers[(p, k)]
+            if a["update"] is not None and have == k - 1:
+                u = a["update"]
+                return ({**a["head"], "base": k - 1, "arrays": [[n, x.dtype.name, list(x.shape)] for n, x in u.items()]},
+                        b"".join(x.tobytes() for x in u.values()))
+            return a["head"], a["theta"]
         theta = np.asarray(self.sync.frags.flatten(self.outer.params, p), np.float32)
         r = self.rounds.merged[p]
         return ({"v": proto.VERSION, "fragment": p, "round": r, "merged": self.rounds.took.get((p, r), []),
@@ -166,7 +199,7 @@ class Synchronizer:
                     continue
                 end = self.rounds.deadline(p, k)
                 self.cond.wait(timeout=1.0 if end is None else min(1.0, max(end - self.clock(), 0.0) + 1e-3))
-            head, theta = self.reply(p, k if how != "late" else self.rounds.merged[p])
+            head, theta = (self.reply(p, k, header.get("have")) if how != "late" else self.reply(p, self.rounds.merged[p]))
             out = proto.frame({**head, "dropped": "late" if how == "late" else None}, theta)
             self.bytes_out += len(out)
             return out
@@ -251,6 +284,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--learner_token", type=int, default=None, metavar="M",
                     help="print learner M's own token (derived from the shared one; it can push only M's "
                          "contributions: give it to that learner as its --token_file) and exit")
+    ap.add_argument("--answer", choices=("fp32", "codec"), default="fp32",
+                    help="what a learner gets back: θᵍ_p in fp32 (default: the SPMD run's numbers), or θᵍ_p's update "
+                         "quantized with the run's codec, the remainder carried to the next round (error feedback)")
     ap.add_argument("--workdir", default=None, help="checkpoint every merge into WORKDIR/ckpt and resume from "
                     "it when started again (default: none, the state dies with the process)")
     ap.add_argument("--stats", default=None, help="write the counters (JSON) here every second and at exit")
@@ -264,7 +300,8 @@ def main(argv: list[str]) -> int:
         if args.learner_token is not None:
             print(proto.learner_token(token, args.learner_token))
             return 0
-        syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace, args.workdir)
+        syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace, args.workdir,
+                              args.answer)
         server, port = serve(syncer, token, args.host, args.port)
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"diloco syncer: bad input: {e}", file=sys.stderr)
