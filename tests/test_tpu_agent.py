@@ -93,6 +93,89 @@ def test_decide(case):
         assert w in a.reason, (w, a.reason)
 
 
+LIM = A.Limits(max_preemptions=2, lost_give_up=10, stall_rows=5, stall_min_s=60, maintenance_wait_s=600)
+GONE = {**{h: beat("running") for h in H4}, "1-1": beat("running", 1300)}  # slice1-worker1 silent since t = -300
+LONG_AGO = NOW - 5000  # the leader's agent started long before
+NOTICE = {"0-1": {"event": "TERMINATE_ON_HOST_MAINTENANCE", "boot": "b1", "time": NOW - 60}}
+MAINT = dict(go=1, abort="maintenance notice on slice0-worker1 (TERMINATE_ON_HOST_MAINTENANCE): checkpointing now",
+             exits={h: ex(130, stopped=True) for h in H4})
+TREES = {h: beat(tree="a" * 64) for h in H4[:3]}
+
+
+def idle_beats(**over):
+    return {h: beat(**over.get(h, {})) for h in H4}
+
+
+PREEMPTED = {"attempts": {"1": {"result": "preempted"}, "2": {"result": "preempted"}}}
+BOUNDS = [
+    # (what the bucket says, the leader's action kind, attempt, words the reason must contain, how the attempt
+    # that ended is recorded); limits LIM
+    ("a replaced VM: the attempt is preempted, not counted (2 failed of 3 before)",
+     dict(go=3, exits=all_exit(130, **{"1-1": {**ex(None, "restarted during the attempt"), "replaced": True}}),
+          abort="slice1-worker1 restarted", status=FAILED), "go", 4, ["preempted: the VM of slice1-worker1"], "preempted"),
+    ("the same boot: the agent died, the VM did not → a failure, the 3rd",
+     dict(go=3, exits=all_exit(130, **{"1-1": ex(None, "restarted during the attempt")}), abort="slice1-worker1 "
+          "restarted", status=FAILED), "fail", 3, ["attempt 3 (of at most 3): slice1-worker1 restarted"], "failed"),
+    ("a third preemption exceeds max_preemptions 2",
+     dict(go=3, exits=all_exit(130, **{"0-0": {**ex(None), "replaced": True}}), status=PREEMPTED), "fail", 3,
+     ["preempted 3 times (more than max_preemptions 2)"], "preempted"),
+    ("a lost host, silent 1300 s > 10 × 120 s: the point fails", dict(go=1, beats=GONE, since=LONG_AGO), "fail", 1,
+     ["slice1-worker1 lost for 1300 s (10 × lost_after_s): it never came back"], "failed"),
+    ("… silent 1300 s but the leader's agent started 200 s ago: only lost", dict(go=1, beats=GONE, since=NOW - 200),
+     "abort", 1, ["slice1-worker1 lost"], None),
+    ("… and waiting for it to go again", dict(beats={**idle_beats(), "1-1": beat(ago=1300)}, since=LONG_AGO), "fail",
+     0, ["slice1-worker1 lost for 1300 s"], None),
+    ("rows every 10-20 s, none for 870 s > max(5 × 20, 60): stalled", dict(go=1, rows=(100.0, 110.0, 130.0)), "abort",
+     1, ["stalled: no new metrics row for 870 s", "limit 100 s: 5 × the longest gap between rows so far, 20 s"], None),
+    ("the last row 50 s ago: running", dict(go=1, rows=(100.0, 110.0, 130.0, 950.0)), "wait", 1, ["running"], None),
+    ("one row only: no interval known yet", dict(go=1, rows=(100.0,)), "wait", 1, ["running"], None),
+    ("short gaps, the floor stall_min_s 60 s holds", dict(go=1, rows=(920.0, 921.0, 930.0)), "abort", 1,
+     ["no new metrics row for 70 s", "limit 60 s"], None),
+    ("hosts on two trees: no go, one line naming both", dict(beats={**TREES, "1-1": beat(tree="b" * 64)}), "wait", 0,
+     ["hosts run different trees: slice0-worker0, slice0-worker1, slice1-worker0 aaaaaaaaaaaa; slice1-worker1 "
+      "bbbbbbbbbbbb: `launch_tpu.sh stop`, then `start`"], None),
+    ("one tree everywhere: go", dict(beats={**TREES, "1-1": beat(tree="a" * 64)}), "go", 1, [], None),
+    ("after a maintenance stop, the noticed host on its old boot: wait",
+     dict(**MAINT, maintenance=NOTICE, beats=idle_beats(**{"0-1": {"boot": "b1"}})), "wait", 1,
+     ["waiting for slice0-worker1 to reboot after its maintenance notice"], None),
+    ("… rebooted (a new boot id): go, not counted", dict(**MAINT, maintenance=NOTICE, status={"attempts": FAILED[
+        "attempts"]}, beats=idle_beats(**{"0-1": {"boot": "b2"}})), "go", 2, ["maintenance notice"], "stopped"),
+    ("… or its maintenance-event is NONE again (migrated): go",
+     dict(**MAINT, maintenance=NOTICE, beats=idle_beats(**{"0-1": {"boot": "b1", "event": "NONE"}})), "go", 2, [],
+     "stopped"),
+    ("… or maintenance_wait_s passed: go", dict(**MAINT, maintenance={"0-1": {**NOTICE["0-1"], "time": NOW - 700}},
+                                                beats=idle_beats(**{"0-1": {"boot": "b1"}})), "go", 2, [], "stopped"),
+]
+
+
+@pytest.mark.parametrize("case", BOUNDS, ids=[c[0] for c in BOUNDS])
+def test_decide_preemptions_deadlines_stalls_trees_and_maintenance(case):
+    _, kw, kind, attempt, words, ended = case
+    kw = dict(kw)
+    fields = {k: kw.pop(k) for k in ("since", "rows", "maintenance") if k in kw}
+    v = A.dataclasses.replace(view(**kw), **fields)
+    a = A.decide(v, max_attempts=3, lost_after_s=120, lim=LIM)
+    assert (a.kind, a.attempt) == (kind, attempt), a
+    for w in words:
+        assert w in a.reason, (w, a.reason)
+    if ended:
+        assert A.next_status(v.status, a, v)["attempts"][str(v.go)]["result"] == ended
+
+
+def test_a_stale_maintenance_record_does_not_belong_to_the_attempt(tmp_path):
+    """A notice for (point, attempt) written before that attempt's go (the point's _state was removed and its
+    attempts count from 1 again) is not this attempt's: it does not abort it."""
+    base = tmp_path / "sweep"
+    plan = A.load_plan(str(_plan(base, ["a"])))
+    L = A.Layout(str(base))
+    atomic_write_json(L.go("a", 1), {"attempt": 1, "time": 500.0})
+    atomic_write_json(L.maintenance("0-1"), {"event": "TERMINATE_ON_HOST_MAINTENANCE", "point": "a", "attempt": 1,
+                                             "time": 400.0, "boot": "b"})
+    assert A.read_view(L, plan["points"][0], A.hosts(plan), "0-0", 600.0, False).maintenance == {}
+    atomic_write_json(L.maintenance("0-1"), {**read_json(L.maintenance("0-1")), "time": 550.0})
+    assert A.read_view(L, plan["points"][0], A.hosts(plan), "0-0", 600.0, False).maintenance["0-1"]["time"] == 550.0
+
+
 CHILD = ("p", 1)
 HOST = [
     # (view, (what, words in why))
@@ -491,24 +574,28 @@ def test_teardown_deletes_the_queued_resource_once_every_point_is_done(pod, tmp_
     assert "teardown: exit 0" in (p.base / "_pod" / "logs" / "slice0-worker0.agent.log").read_text()
 
 
-def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch):
+@pytest.mark.parametrize("boot,ended", [("b1", "failed"), ("b2", "preempted")])
+def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch, boot, ended):
     """The leader's agent dies mid-point (its child with it) and comes back: from the bucket alone it
     closes its own lost attempt, aborts, waits for the follower, and starts attempt 2 — never attempt 1
-    again."""
+    again. On the boot it started the attempt on (b1) the agent died, not the VM: a failed attempt; on a
+    new boot (b2: the leader's VM was lost and replaced) the attempt is preempted, not counted."""
     base = tmp_path / "sweep"
     plan = A.load_plan(str(_plan(base, ["a"])))
     L = A.Layout(str(base))
     atomic_write_json(L.go("a", 1), {"attempt": 1})
     atomic_write_json(L.status("a"), {"state": "running", "attempt": 1, "attempts": {"1": {"started": 1.0}}})
-    atomic_write_json(L.attempt("a", 1) / "0-0.start", {})
-    atomic_write_json(L.attempt("a", 1) / "0-1.start", {})
+    atomic_write_json(L.attempt("a", 1) / "0-0.start", {"boot": "b1"})
+    atomic_write_json(L.attempt("a", 1) / "0-1.start", {"boot": "f1"})
     t = time.time()
     atomic_write_json(L.beat("0-1"), {"state": "running", "time": t})
     monkeypatch.setenv("DILOCO_TPU_SLICE", "0")
     monkeypatch.setenv("DILOCO_TPU_WORKER", "0")
+    monkeypatch.setenv("DILOCO_BOOT_ID", boot)
     leader = A.Agent(plan, 0, 0, tmp_path / "w", say=lambda s: None)
     assert leader.step(t)
-    assert read_json(L.attempt("a", 1) / "0-0.json")["code"] is None  # its own exit: the child was lost
+    closed = read_json(L.attempt("a", 1) / "0-0.json")
+    assert closed["code"] is None and closed["replaced"] == (ended == "preempted")  # the child was lost
     assert leader.step(t)
     assert "slice0-worker0 restarted during the attempt" in (L.attempt("a", 1) / "abort").read_text()
     assert leader.step(t) and not L.go("a", 2).exists()  # the follower has not exited
@@ -517,7 +604,7 @@ def test_a_restarted_leader_continues_from_the_bucket(tmp_path, monkeypatch):
     assert leader.step(t)
     assert L.go("a", 2).exists() and leader.child_of == ("a", 2)
     leader.child.wait(30)
-    assert read_json(L.status("a"))["attempts"]["1"]["result"] == "failed"
+    assert read_json(L.status("a"))["attempts"]["1"]["result"] == ended
 
 
 @pytest.mark.parametrize("log,want", [
@@ -545,10 +632,16 @@ def test_a_maintenance_notice_checkpoints_every_host_now_and_the_attempt_is_not_
     md = tmp_path / "metadata-0-1"
     md.mkdir()
     p.start("0-0")
-    p.start("0-1", DILOCO_METADATA_DIR=str(md))
+    p.start("0-1", DILOCO_METADATA_DIR=str(md), DILOCO_BOOT_ID="boot-1")
     logs = [p.base / "a" / "logs" / "attempt-1" / f"{A.label(h)}.log" for h in p.hosts]
     until(lambda: all(f.exists() and "started" in f.read_text() for f in logs), what="both running", pod=p)
     (md / "maintenance-event").write_text("TERMINATE_ON_HOST_MAINTENANCE\n")
+    # every child saved; the next attempt waits for the noticed host's reboot (its new boot id), not a moment less
+    until(lambda: "waiting for slice0-worker1 to reboot" in p.status("a").get("note", ""), what="the wait", pod=p)
+    time.sleep(1.0)
+    assert not (p.base / "a" / "_state" / "go-2.json").exists()
+    p.kill("0-1")
+    p.start("0-1", DILOCO_METADATA_DIR=str(md), DILOCO_BOOT_ID="boot-2")  # the VM is back after its maintenance
     p.wait(timeout=120)
     a = p.status("a")
     assert (a["state"], a["attempt"]) == ("finished", 2), a

@@ -231,3 +231,96 @@ def test_a_bad_point_fails_after_its_attempts_with_its_last_log_lines_then_teard
     st = json.loads(gcs.read(f"{base}/{point}/_state/status.json"))
     assert [st["attempts"][n]["result"] for n in ("1", "2")] == ["failed", "failed"]
     assert _leaks(standin) == []
+
+
+# A stand-in for `diloco train` on one host (plan["program"]): one step per 0.4 s, its progress on gs:// after
+# every step (its "checkpoint"), resumed from there; SIGTERM → exit 130; slice0-worker0 writes summary.json.
+FAKE_TRAIN = r'''
+import json, os, signal, sys, time
+from etils import epath
+wd = epath.Path(sys.argv[sys.argv.index("--workdir") + 1])
+host = os.environ["DILOCO_TPU_SLICE"] + "-" + os.environ["DILOCO_TPU_WORKER"]
+n = int(os.environ["DILOCO_TPU_ATTEMPT"])
+ckpt = wd / f"progress-{host}.json"
+step = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(130))
+print(f"fake train {host} attempt {n}: resumed at step {step}", flush=True)
+while step < 24:
+    time.sleep(0.4)
+    step += 1
+    ckpt.write_text(json.dumps({"step": step, "attempt": n}))
+if host == "0-0":
+    (wd / "summary.json").write_text(json.dumps({"final_eval_loss": 1.0, "params_sha256": "cd" * 32}))
+'''
+
+
+def test_two_spot_preemptions_and_a_maintenance_event_leave_the_point_running_under_watch(standin, gcs, tmp_path):
+    """The issue's done-when, unattended: `watch` on the laptop; the queued resource (Spot, 2 hosts) is
+    SUSPENDED twice mid-point (every VM gone; `status` says `SUSPENDED: run up`), and watch recreates it
+    each time; then a host gets a maintenance notice: every host checkpoints, and the next attempt waits
+    for that host's reboot. With max_attempts=1 the point still finishes: neither a replaced VM (new boot
+    id) nor a maintenance stop is a failure. No human command after `up` and `watch`."""
+    A.fresh_reads()
+    _hosts_can_run_the_project(standin)
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    out, base = _bundle(tmp_path, gcs, "unattended", "[{}]", "v5p-16", 1, "--spot", max_attempts=1,
+                        program=[sys.executable, str(fake)], poll_s=0.5, log_upload_s=2, abort_grace_s=5,
+                        stop_grace_s=30)
+    point = json.loads((out / "plan.json").read_text())["points"][0]["name"]
+    wd, st = f"{gcs.url('runs', 'unattended')}/{point}", f"{base}/{point}/_state"
+    script = out / "launch_tpu.sh"
+
+    def status():
+        try:
+            return json.loads(gcs.read(f"{st}/status.json"))
+        except Exception:  # not there yet, or read while rewritten
+            return {}
+
+    def progressed(attempt: int):  # both hosts trained 2 steps in this attempt
+        def ok():
+            try:
+                rows = [json.loads(gcs.read(f"{wd}/progress-{h}.json")) for h in ("0-0", "0-1")]
+            except Exception:
+                return False
+            return all(r["attempt"] == attempt for r in rows) and status().get("attempt") == attempt
+        return ok
+
+    assert _sh(script, "up").returncode == 0
+    _until(progressed(1), 300, "attempt 1 training", standin)
+    standin.set_state(QR, "SUSPENDED")  # Spot preemption: every VM of the resource is gone
+    r = _sh(script, "status")
+    assert r.returncode == 2 and "SUSPENDED: run up." in r.stdout, r.stdout
+    assert re.search(rf"{re.escape(point)}\s+suspended\s+attempt 1", r.stdout)
+    assert r.stdout.count("gone with the resource (its last heartbeat") == 2 and "running  heartbeat" not in r.stdout
+    watch = subprocess.Popen(["bash", str(script), "watch"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "POLL_S": "0.5", "WATCH_S": "1"})
+    try:
+        _until(progressed(2), 300, "attempt 2 training after watch recreated the resource", standin)
+        standin.set_state(QR, "SUSPENDED")  # the second preemption
+        _until(progressed(3), 300, "attempt 3 training after the second recreation", standin)
+        standin.maintenance(QR, 0, 1)  # TERMINATE_ON_HOST_MAINTENANCE on slice0-worker1's metadata
+        _until(lambda: "waiting for slice0-worker1 to reboot" in status().get("note", ""), 120,
+               "every host checkpointed, the leader waiting for the noticed host", standin)
+        time.sleep(2)
+        assert not gcs.exists(f"{st}/go-4.json")  # no attempt on a host about to go down
+        standin.reboot_host(QR, 0, 1)  # the maintenance: the VM restarts, its startup script runs again
+        rc = watch.wait(timeout=300)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+        said = watch.stdout.read()
+        print(said)
+    assert rc == 0 and "every point has ended (status exit 0)" in said, said
+    assert said.count("is SUSPENDED: recreating it") == 2, said
+    rec = status()
+    assert rec["state"] == "finished", rec
+    assert [rec["attempts"][k]["result"] for k in ("1", "2", "3", "4")] == ["preempted", "preempted", "stopped",
+                                                                              "finished"], rec
+    assert "maintenance notice on slice0-worker1 (TERMINATE_ON_HOST_MAINTENANCE)" in rec["attempts"]["3"]["reason"]
+    log = gcs.read(f"{base}/{point}/logs/attempt-4/slice0-worker0.log").decode()
+    resumed = int(re.search(r"resumed at step (\d+)", log).group(1))
+    assert resumed >= 6, log  # two steps in each of attempts 1-3, kept
+    r = _sh(script, "status")
+    assert r.returncode == 0 and "preempted: the VM of" in r.stdout
+    assert _sh(script, "down").returncode == 0

@@ -5,14 +5,16 @@ the sweep's points in order with nothing needed from the laptop. All coordinatio
 bucket under BASE = plan["base"], each written whole (diloco.rundir), read fresh on every poll:
 
   BASE/_pod/hosts/<s>-<w>.json                   every host, every poll_s: its heartbeat
-                                                 {point, attempt, state, pid, child, note, time}
+                                                 {point, attempt, state, pid, child, note, time, boot (this
+                                                 boot's id), tree (the sha256 startup.sh verified), event}
   BASE/_pod/logs/slice<s>-worker<w>.agent.log    the agent's own log
   BASE/_pod/boot/slice<s>-worker<w>.log          the host's boot log (startup.sh uploads it)
-  BASE/_pod/maintenance/<s>-<w>.json             a host's maintenance notice {event, point, attempt, time}
+  BASE/_pod/maintenance/<s>-<w>.json             a host's maintenance notice {event, point, attempt, time, boot}
   BASE/<point>/_state/go-<n>.json                the leader: every host runs attempt n now
-  BASE/<point>/_state/attempt-<n>/<s>-<w>.start  a host started its child for attempt n
+  BASE/<point>/_state/attempt-<n>/<s>-<w>.start  a host started its child for attempt n {time, pid, boot}
   BASE/<point>/_state/attempt-<n>/<s>-<w>.json   a host's child was reaped (its chips are free):
-                                                 {code, reason, stopped, killed (by this agent), time}
+                                                 {code, reason, stopped, killed (by this agent), time,
+                                                 replaced (closed on another boot than it started on)}
   BASE/<point>/_state/attempt-<n>/abort          the leader: end attempt n (the reason)
   BASE/<point>/_state/status.json                the leader: waiting|running|finished|failed, every
                                                  attempt's result and reason, what it waits for
@@ -28,8 +30,13 @@ leader continues where the last one was. For the first point not finished or fai
     and when a host reports a maintenance notice (the VM's metadata `maintenance-event` turned from NONE
     while its child ran): then every host SIGTERMs its child with the stop grace, so all save a
     checkpoint together, and the attempt is not counted;
+  - writes abort when every host heartbeats but the run's metrics.jsonl has not grown for too long (stalled);
+  - fails the point when a host has been lost for lost_give_up × lost_after_s (it never came back);
   - when every host has exited: finished (all 0 and the run's summary.json), else the next attempt,
-    or failed once max_attempts attempts have failed (an attempt ended by a stop is not counted).
+    or failed once max_attempts attempts have failed (an attempt ended by a stop is not counted, one
+    whose VM was replaced or rebooted — a new boot id — counts toward max_preemptions instead);
+  - starts no attempt while the hosts' heartbeats name different trees, nor after a maintenance stop
+    until the noticed host has rebooted (or its event reads NONE again; maintenance_wait_s at most).
     A lost host's exit is written by its own agent when the repaired VM reruns startup.sh and the
     agent rejoins (its start marker without an exit: the child was lost with the VM).
 Every host (the leader too) runs the point's argv as `python -m diloco.cli ARGV` in its own process
@@ -61,11 +68,11 @@ from pathlib import Path
 from typing import Callable
 
 from diloco.errors import ConfigError
-from diloco.rundir import atomic_write_json, atomic_write_text
-from diloco.tpu.decide import (LEADER, MAINTENANCE, HostView, PointView, age, decide, host_decide, label,  # noqa: F401
+from diloco.rundir import atomic_write_json, atomic_write_text, path
+from diloco.tpu.decide import (LEADER, MAINTENANCE, HostView, Limits, PointView, age, decide, host_decide, label,  # noqa: F401
                                 next_status)
 from diloco.tpu.host import free_chips, maintenance_event, raise_nofile
-from diloco.tpu.layout import TIMING, Layout, fresh_reads, hosts, load, load_plan, read_view  # noqa: F401
+from diloco.tpu.layout import TIMING, Layout, fresh_reads, hosts, limits, load, load_plan, read_view  # noqa: F401
 
 ENV_SLICE, ENV_WORKER, ENV_ATTEMPT = "DILOCO_TPU_SLICE", "DILOCO_TPU_WORKER", "DILOCO_TPU_ATTEMPT"
 METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
@@ -103,6 +110,10 @@ def identity(env=None, meta: Callable[[str], str | None] = metadata) -> tuple[in
 
 # -- the loop (I/O) --------------------------------------------------------------------------------------
 def boot_id() -> str:
+    """This boot of this machine: a new one after a reboot or on a replaced VM. DILOCO_BOOT_ID overrides
+    it (the stand-in's hosts share this machine's kernel; it gives each boot of each host its own)."""
+    if os.environ.get("DILOCO_BOOT_ID"):
+        return os.environ["DILOCO_BOOT_ID"]
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -143,6 +154,8 @@ class Agent:
         self.t0 = time.time()
         self.watch = watch  # the VM's maintenance-event (None: not watched)
         self.last_event = watch() if watch else None
+        self.boot, self.tree = boot_id(), os.environ.get("DILOCO_TREE_SHA256")  # startup.sh: the tree it unpacked
+        self.rows: dict[tuple[str, int], tuple[int, list[float]]] = {}  # leader: metrics.jsonl size, when it grew
 
     # -- small I/O helpers
     def say(self, msg: str) -> None:
@@ -163,11 +176,15 @@ class Agent:
             self.upload(self.child_log, self.L.log(*self.child_of, self.me))
         self.upload(self.work / "agent.log", self.L.agent_log(self.me))
 
+    def identity_fields(self) -> dict:
+        """What a heartbeat says of this host beyond its state: its boot, its tree, its maintenance-event."""
+        return {"boot": self.boot, "tree": self.tree, "event": self.last_event}
+
     def heartbeat(self, now: float) -> None:
         atomic_write_json(self.L.beat(self.me), {
             "host": self.me, "point": self.point, "attempt": self.attempt, "state": self.state,
             "pid": os.getpid(), "child": self.child.pid if self.child else None, "note": self.note,
-            "leader": self.lead, "time": now})
+            "leader": self.lead, "time": now, **self.identity_fields()})
 
     def current_point(self) -> dict | None:
         for pt in self.plan["points"]:
@@ -193,7 +210,8 @@ class Agent:
         return env
 
     def start(self, pt: dict, n: int, now: float) -> None:
-        atomic_write_json(self.L.attempt(pt["name"], n) / f"{self.me}.start", {"time": now, "pid": os.getpid()})
+        atomic_write_json(self.L.attempt(pt["name"], n) / f"{self.me}.start", {"time": now, "pid": os.getpid(),
+                                                                              "boot": self.boot})
         program = self.plan.get("program") or [sys.executable, "-m", "diloco.cli"]
         cmd = [*program, *pt["argv"]]
         log = self.local_log(pt["name"], n)
@@ -236,11 +254,18 @@ class Agent:
         self.child, self.child_of, self.kill = None, None, None
 
     def close(self, point: str, n: int, reason: str, stopping: bool, now: float) -> None:
-        """The exit of an attempt this host has no child for (lost with the VM, or never started)."""
+        """The exit of an attempt this host has no child for (lost with the VM, or never started). Started on
+        another boot: the VM was replaced or rebooted (Spot, repair, maintenance), which is not a failure."""
         log = self.local_log(point, n)
         self.upload(log, self.L.log(point, n, self.me))  # what the lost child had written, if it survived
+        boot = (load(self.L.attempt(point, n) / f"{self.me}.start", {}) or {}).get("boot")
+        replaced = bool(boot) and boot != self.boot
+        if "restarted" in reason:
+            reason += " (the VM was replaced or rebooted: a new boot id)" if replaced else \
+                " (the same boot: the agent died, the VM did not)"
         atomic_write_json(self.L.attempt(point, n) / f"{self.me}.json",
-                          {"code": None, "reason": reason, "stopped": stopping, "killed": False, "time": now})
+                          {"code": None, "reason": reason, "stopped": stopping, "killed": False, "replaced": replaced,
+                           "time": now})
         self.say(f"{point} attempt {n}: {reason}")
 
     def kill_orphan(self) -> None:
@@ -261,8 +286,26 @@ class Agent:
         (self.work / "child.json").unlink(missing_ok=True)
 
     # -- one poll
+    def rows_seen(self, pt: dict, v: PointView) -> tuple[float, ...]:
+        """When the leader saw the run's metrics.jsonl change during attempt go (its size: a row rewrites it),
+        since this agent first looked; () while no attempt runs."""
+        if not v.go or v.abort is not None or len(v.exits) == len(v.hosts):
+            return ()
+        try:
+            size = path(pt["workdir"]).joinpath("metrics.jsonl").stat().length
+        except OSError:  # FileNotFoundError: no row yet
+            size = -1
+        key = (pt["name"], v.go)
+        if key not in self.rows:
+            self.rows = {key: (size, [])}  # what is there now may be an earlier attempt's: the baseline
+        elif size != self.rows[key][0]:
+            self.rows[key] = (size, (self.rows[key][1] + [v.now])[-50:])
+        return tuple(self.rows[key][1])
+
     def lead_point(self, pt: dict, v: PointView) -> PointView:
-        a = decide(v, int(self.plan["max_attempts"]), float(self.plan["lost_after_s"]), float(self.plan["boot_wait_s"]))
+        v = dataclasses.replace(v, rows=self.rows_seen(pt, v))
+        a = decide(v, int(self.plan["max_attempts"]), float(self.plan["lost_after_s"]), float(self.plan["boot_wait_s"]),
+                   limits(self.plan))
         st = next_status(v.status, a, v)
         if a.kind == "go":
             atomic_write_json(self.L.status(pt["name"]), st)
@@ -292,7 +335,8 @@ class Agent:
         if pt is not None:
             v = read_view(self.L, pt, self.hosts, self.me, now, stop, self.t0)
             if self.lead:  # its own heartbeat is what it knows now, not what it wrote a poll ago
-                beats = {**v.beats, self.me: {"state": "idle" if self.child is None else "running", "time": now}}
+                beats = {**v.beats, self.me: {"state": "idle" if self.child is None else "running", "time": now,
+                                              **self.identity_fields()}}
                 v = self.lead_point(pt, dataclasses.replace(v, beats=beats))
                 if pt["name"] in self.final:
                     pt = self.current_point()
@@ -336,7 +380,7 @@ class Agent:
         self.last_event = ev
         if ev != "NONE" and self.child_of is not None:
             atomic_write_json(self.L.maintenance(self.me), {"event": ev, "point": self.child_of[0],
-                                                            "attempt": self.child_of[1], "time": now})
+                                                            "attempt": self.child_of[1], "time": now, "boot": self.boot})
             self.say(f"maintenance notice {ev} during {self.child_of[0]} attempt {self.child_of[1]}: "
                      "asking the leader to checkpoint every host now")
 

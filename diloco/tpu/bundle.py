@@ -34,7 +34,10 @@ of truth (ask for a key by editing it here and saying so in the commit message):
   points           [{"name": POINT, "workdir": "<base>/POINT",
                      "argv": ["train", "--config", SPEC, "--workdir", WD, "--no_progress", --config.k=v …]}]
                    in the order they run; `python -m diloco.cli *argv` from the unpacked tree (the cwd)
-  max_attempts     attempts per point before it is `failed` (a lost host or non-zero exit starts the next)
+  max_attempts     failed attempts per point before it is `failed` (a non-zero exit, a lost host that did not
+                   come back on a new boot, a stalled run); a stopped or preempted attempt does not count
+  max_preemptions  attempts ended by a replaced or rebooted VM (Spot, repair, reboot: the host's agent finds a
+                   new boot id) per point before it is `failed`
   lost_after_s     a host whose heartbeat is older than this is lost
   stop_grace_s     after SIGTERM (abort/stop), SIGKILL the training process after this many seconds
   teardown         true: the leader deletes the queued resource once every point is finished or failed
@@ -44,6 +47,11 @@ of truth (ask for a key by editing it here and saying so in the commit message):
   boot_wait_s      the leader fails a point (naming the host and its last boot-log lines) when a host has
                    sent no heartbeat this long after the leader's agent started
   optional (the agent's defaults): poll_s 10, log_upload_s 30, abort_grace_s 60 (SIGKILL after an abort),
+                   lost_give_up 10 (a host lost this many × lost_after_s fails the point), stall_rows 5 and
+                   stall_min_s 1800 (no new metrics row for max(stall_rows × the longest gap so far,
+                   stall_min_s) while the hosts heartbeat: the attempt is aborted as stalled),
+                   maintenance_wait_s 1800 (after a maintenance stop, the next attempt waits this long at
+                   most for the noticed host's reboot) (decide.Limits),
                    program (the command the argv follows; default python -m diloco.cli — a test hook)
 Markers the laptop writes: <base>/_launch/control/stop (launch_tpu.sh stop; removed by up and start).
 Every host's boot log: <base>/_pod/boot/slice<s>-worker<w>.log (startup.sh uploads it after each step).
@@ -249,7 +257,7 @@ def write(out: Path, sweep: dict, checked, root: str, qr: str, zone: str, projec
           capacity: str = "", valid_until: str = "", service_account: str = "", network: str = "",
           subnetwork: str = "", internal_ips: bool = False, max_attempts: int = 3, teardown: bool = False,
           runtime: str = "", lost_after_s: int = 120, stop_grace_s: int = 900, generated_by: str = "",
-          ship: tuple[str, ...] = (), boot_wait_s: int = 1800) -> dict:
+          ship: tuple[str, ...] = (), boot_wait_s: int = 1800, max_preemptions: int = 20) -> dict:
     """Write the bundle for a checked sweep (diloco.tpu.preflight.check) into `out`; returns the plan."""
     from diloco.tpu.accelerators import RUNTIME
 
@@ -277,7 +285,8 @@ def write(out: Path, sweep: dict, checked, root: str, qr: str, zone: str, projec
             "project": project, "accelerator": sl.name, "runtime": runtime, "slices": slices,
             "hosts_per_slice": sl.hosts, "chips_per_host": sl.chips_per_host,
             "tree": {"url": f"{launch}/{tar.name}", "sha256": tree_sha}, "lock_sha256": lock_sha,
-            "source": git_source(), "points": points, "max_attempts": max_attempts, "lost_after_s": lost_after_s,
+            "source": git_source(), "points": points, "max_attempts": max_attempts, "max_preemptions": max_preemptions,
+            "lost_after_s": lost_after_s,
             "stop_grace_s": stop_grace_s, "boot_wait_s": boot_wait_s, "teardown": teardown,
             "service_account": service_account, "capacity": capacity,
             "env": {"JAX_COMPILATION_CACHE_DIR": f"{launch}/jax-cache", "TF_CPP_MIN_LOG_LEVEL": "3",

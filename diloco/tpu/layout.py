@@ -3,13 +3,14 @@ every coordination file is (Layout; the files are listed in agent.py's docstring
 them into a decide.PointView."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
 
 from diloco.errors import ConfigError
 from diloco.rundir import path, read_json
-from diloco.tpu.decide import LEADER, PointView, boot_tail, label
+from diloco.tpu.decide import LEADER, Limits, PointView, boot_tail, label
 
 # plan.json keys the agents read beyond the sweep's own, with their defaults (bundle.py's schema)
 TIMING = {"poll_s": 10.0, "log_upload_s": 30.0, "lost_after_s": 120.0, "abort_grace_s": 60.0, "stop_grace_s": 900.0}
@@ -24,7 +25,8 @@ def load_plan(p: str) -> dict:
     for key in ("base", "sweep", "slices", "hosts_per_slice", "points"):
         if key not in plan:
             raise ConfigError(f"plan.{key}", f"missing from {p}; regenerate it with `diloco sweep … --launch tpu`")
-    for key, default in {**TIMING, "max_attempts": 3, "teardown": False, "env": {}, "boot_wait_s": 1800.0}.items():
+    for key, default in {**TIMING, "max_attempts": 3, "teardown": False, "env": {}, "boot_wait_s": 1800.0,
+                         **dataclasses.asdict(Limits())}.items():
         plan.setdefault(key, default)
     if int(plan["max_attempts"]) < 1:
         raise ConfigError("plan.max_attempts", f"{plan['max_attempts']} must be ≥ 1")
@@ -32,6 +34,11 @@ def load_plan(p: str) -> dict:
     if len(set(names)) != len(names):
         raise ConfigError("plan.points", f"point names repeat: {names}")
     return plan
+
+
+def limits(plan: dict) -> Limits:
+    """The leader's bounds (decide.Limits) from plan.json."""
+    return Limits(**{f.name: type(f.default)(plan[f.name]) for f in dataclasses.fields(Limits) if f.name in plan})
 
 
 def hosts(plan: dict) -> list[str]:
@@ -138,10 +145,11 @@ def read_view(layout: Layout, point: dict, all_hosts: list[str], me: str, now: f
             beats[h] = b
     summary = lead and path(point["workdir"]).joinpath("summary.json").exists()
     boot = {h: boot_tail(read_text(layout.boot_log(h))) for h in all_hosts if lead and h not in beats}
-    notices = {}
+    notices = {}  # a notice of this attempt: a record of an earlier life of the point (its _state removed) is not
+    started = float((load(layout.go(name, go), {}) or {}).get("time", 0)) if lead and go else 0.0
     for f in names(layout.base / "_pod" / "maintenance", "*.json") if lead and go else []:
         rec = load(layout.base / "_pod" / "maintenance" / f) or {}
-        if (rec.get("point"), rec.get("attempt")) == (name, go):
-            notices[f[:-5]] = str(rec.get("event"))
+        if (rec.get("point"), rec.get("attempt")) == (name, go) and float(rec.get("time", 0)) >= started:
+            notices[f[:-5]] = rec
     return PointView(tuple(all_hosts), go, abort, exits, frozenset(starts), beats, bool(summary),
                      load(layout.status(name), {}) or {}, stop, now, since, boot, notices)

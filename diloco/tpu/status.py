@@ -11,7 +11,9 @@ its cost so far: that time × the pod's price per hour (diloco/tpu/prices.py: ch
 plan's capacity class; an estimate). When every point has ended and the queued resource is still ACTIVE
 (`--qr-state`, which `launch_tpu.sh status` passes) or a host still heartbeats, it says the pod is still billing.
 Per host: its agent's state, point and attempt, and how old its heartbeat is (`lost?` when older than
-the plan's lost_after_s); a host with no heartbeat yet shows the last lines of its boot log. Exit status: 0 when every point finished, 1 when any failed, 2 otherwise.
+the plan's lost_after_s); a host with no heartbeat yet shows the last lines of its boot log. When `--qr-state` is
+SUSPENDING, SUSPENDED or FAILED it says so first (`SUSPENDED: run up.`), a running point shows as suspended and
+every host as gone with the resource. Exit status: 0 when every point finished, 1 when any failed, 2 otherwise.
 
 `--wait-stopped SECONDS` (what `launch_tpu.sh stop` runs after writing the stop marker): wait until
 every host's agent has stopped (its child reaped: a SIGTERMed `diloco train` has saved its
@@ -31,6 +33,7 @@ from diloco.tpu.layout import TIMING, Layout, fresh_reads, hosts, latest_go, loa
 from diloco.tpu.decide import LEADER, age, boot_tail, label
 
 TAIL = 12  # log lines shown for a failed point
+GONE = ("SUSPENDING", "SUSPENDED", "FAILED")  # the queued resource's states without VMs: heartbeats are history
 
 
 def on_pod_s(attempts: dict, now: float) -> float:
@@ -143,11 +146,17 @@ def render(rep: dict) -> str:
     out.append(f"pod cost {rate}")
     if rep["stop"]:
         out.append("stop requested (launch_tpu.sh stop); `launch_tpu.sh start` resumes")
+    gone = rep["qr_state"] in GONE
+    if gone:
+        out.append(f"{rep['qr_state']}: run up. Queued resource {plan['qr']} has no VMs now (Spot preemption, "
+                   "maintenance or a failure): `launch_tpu.sh up` recreates it and every point resumes from its "
+                   "checkpoint (`launch_tpu.sh watch` does this by itself)")
     width = max(len(p["name"]) for p in rep["points"])
     for p in rep["points"]:
-        head, at = f"  {p['name']:<{width}}  {p['state']:<8}", len(out)
+        shown = "suspended" if gone and p["state"] == "running" else p["state"]
+        head, at = f"  {p['name']:<{width}}  {shown:<8}", len(out)
         ended = [f"attempt {k}: {a.get('reason')}" for k, a in sorted(p["attempts"].items(), key=lambda kv: int(kv[0]))
-                 if a.get("result") in ("failed", "stopped")]
+                 if a.get("result") in ("failed", "stopped", "preempted")]
         history = f" (earlier: {'; '.join(ended)})" if ended and p["state"] != "failed" else ""
         if p["state"] == "finished":
             out.append(f"{head}  final_eval_loss {p['final_eval_loss']}  params_sha256 {p['params_sha256']}{history}")
@@ -176,6 +185,9 @@ def render(rep: dict) -> str:
             out += [f"      | {line}" for line in h["boot"]]
             continue
         what = f"{b.get('state')}" + (f" {b.get('point')} attempt {b.get('attempt')}" if b.get("point") else "")
+        if gone:
+            out.append(f"{who:<26} gone with the resource (its last heartbeat, {h['age']:.0f} s ago: {what})")
+            continue
         out.append(f"{who:<26} {'lost? ' if h['lost'] else ''}{what}  heartbeat {h['age']:.0f} s ago"
                    + (f"  [{b['note']}]" if b.get("note") else ""))
     billing = billing_line(rep)

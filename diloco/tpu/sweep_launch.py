@@ -32,7 +32,10 @@ def add_arguments(ap) -> None:
     tpu.add_argument("--subnetwork", default="", help="subnetwork")
     tpu.add_argument("--internal-ips", action="store_true",
                      help="no external IPs (the subnetwork then needs Cloud NAT and Private Google Access; ssh via IAP)")
-    tpu.add_argument("--max-attempts", type=int, default=3, help="attempts per point before it counts as failed")
+    tpu.add_argument("--max-attempts", type=int, default=3, help="failed attempts per point before it counts as "
+                     "failed (a preemption, repair, reboot, maintenance or stop is not one)")
+    tpu.add_argument("--max-preemptions", type=int, default=20,
+                     help="attempts per point ended by a replaced or rebooted VM (Spot, repair) before it counts as failed")
     tpu.add_argument("--teardown", action="store_true", help="delete the queued resource when every point is done")
     tpu.add_argument("--check-fit", default="table", metavar="{table,compile,off}",
                      help="each point's fit in HBM: from results/pod/memory.csv (default), by compiling, or not")
@@ -51,6 +54,8 @@ def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
         raise ConfigError("--tpu", "--launch tpu needs --tpu <name>, --zone <zone> and --accelerator <type, e.g. v5p-16>")
     if args.max_attempts < 1:
         raise ConfigError("--max-attempts", f"{args.max_attempts} must be ≥ 1")
+    if args.max_preemptions < 0:
+        raise ConfigError("--max-preemptions", f"{args.max_preemptions} must be ≥ 0")
     preflight.check_names(args.tpu, args.root, sweep["name"])
     out = Path(args.out or REPO_ROOT / "build" / "tpu" / sweep["name"] / args.tpu).resolve()
     bundle.check_out(out, args.tpu)
@@ -69,7 +74,7 @@ def launch_tpu(sweep: dict, args, extra: list[str], argv: list[str]) -> int:
     plan = bundle.write(out, sweep, checked, args.root, args.tpu, args.zone, args.project, extra, args.capacity,
                         args.valid_until, args.service_account, args.network, args.subnetwork, args.internal_ips,
                         args.max_attempts, args.teardown, args.runtime, generated_by=shlex.join(["diloco", "sweep", *argv]),
-                        ship=tuple(args.ship))
+                        ship=tuple(args.ship), max_preemptions=args.max_preemptions)
     script = out / "launch_tpu.sh"
     if args.dry_run:
         print(script.read_text(), end="")

@@ -358,6 +358,9 @@ class Cloud:
                "DILOCO_CPU_DEVICES": str(cfg["cpu_devices"]), "JAX_PLATFORMS": "cpu", **cfg["emulator_env"]}
         env.pop("EPATH_USE_TF", None)  # a VM has no such setting: what the launcher starts must set it itself
         env["DILOCO_METADATA_DIR"] = str(h.dir / "metadata-server")  # what the agent reads of the metadata server
+        info = h.dir / "host.json"  # this boot of this VM (the hosts share this machine's kernel and its boot_id)
+        boots = json.loads(info.read_text())["boots"] if info.exists() else 0
+        env["DILOCO_BOOT_ID"] = f"{name}-{r['createTime']}-slice{slice}-worker{worker}-boot{boots}"
         if r["multislice"]:
             env.update(MEGASCALE_NUM_SLICES=str(slices), MEGASCALE_SLICE_ID=str(slice),
                        MEGASCALE_COORDINATOR_ADDRESS="127.1.0.1:8080")
