@@ -99,7 +99,7 @@ def jobset(name: str, train: list[str], t: Target, image: str, max_restarts: int
                            "ports": [{"containerPort": COORDINATOR_PORT}],
                            "resources": {"limits": {k: v for k, v in t.limits.items()}}}]}
     job = {"parallelism": t.pods, "completions": t.pods, "completionMode": "Indexed", "backoffLimit": 0,
-           "podFailurePolicy": {"rules": [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+           "podFailurePolicy": {"rules": [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
            "template": {"metadata": {"labels": {"app.kubernetes.io/name": "diloco"}}, "spec": pod}}
     return {"apiVersion": API, "kind": "JobSet",
             "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "diloco"}},

@@ -54,7 +54,8 @@ def test_a_disruption_restarts_without_counting_and_other_failures_count():
                             "onJobFailureReasons": ["PodFailurePolicy"]}]
     job = spec["spec"]["replicatedJobs"][0]["template"]["spec"]
     # only a DisruptionTarget pod fails its job with reason PodFailurePolicy; anything else is BackoffLimitExceeded
-    assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+    assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob",
+                                                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     assert job["backoffLimit"] == 0
     assert yaml.safe_load(yaml.safe_dump(spec)) == spec
 
@@ -84,6 +85,27 @@ XPK = ["xpk==1.16.0", "ruamel.yaml==0.19.1", "google-cloud-resource-manager==1.1
        "durationpy==0.11", "websocket-client==1.9.2", "setuptools-scm==10.3.4", "vcs-versioning==2.6.0",
        "argcomplete==3.7.2", "pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0",
        "typing-inspection==0.4.2", "docker==7.1.0"]  # what `xpk.parser.workload` imports, beside packages of our lock
+SCHEMAS = ["kubernetes-validate==1.37.0", "importlib-resources==7.1.0"]  # Kubernetes' own schemas, per version
+# Each replicated job of a JobSet is a batch/v1 Job template: checked against Kubernetes 1.33's schema, unknown
+# fields refused (strict). The JobSet fields around them have no schema on PyPI (the CRD lives in jobset's repo).
+VALIDATE = """
+import sys, yaml, kubernetes_validate as kv
+def job(rj):
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"]}, "spec": rj["template"]["spec"]}
+for f in sys.argv[1:]:
+    js = yaml.safe_load(open(f))
+    assert (js["apiVersion"], js["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet"), f
+    for rj in js["spec"]["replicatedJobs"]:
+        kv.validate(job(rj), "1.33.0", strict=True)
+        misspelt = {**job(rj), "spec": {**rj["template"]["spec"], "backofLimit": 1}}
+        try:
+            kv.validate(misspelt, "1.33.0", strict=True)
+        except Exception as e:
+            assert "backofLimit" in str(e), e
+        else:
+            raise SystemExit("a misspelt field passed")
+    print(f, len(js["spec"]["replicatedJobs"]))
+"""
 PARSE = """
 import argparse, shlex, sys
 from xpk.parser.workload import set_workload_create_parser
@@ -102,7 +124,7 @@ def test_xpk_s_own_parser_accepts_every_generated_line(tmp_path):
     """xpk 1.16.0's `workload create` parser (installed beside the lock with --no-deps: xpk pins versions
     our lock does not) takes each line of xpk.sh, for a TPU and a GPU sweep."""
     site = tmp_path / "xpk"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), *XPK],
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), *XPK, *SCHEMAS],
                          capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-2000:]
     got = []
@@ -118,6 +140,9 @@ def test_xpk_s_own_parser_accepts_every_generated_line(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         got += p.stdout.split("\n")[:-1]
         assert {f.name for f in out.glob("*.yaml")} == {"toy+2+global.yaml", "toy+4+global.yaml", "toy+8+global.yaml"}
+        v = subprocess.run([sys.executable, "-c", VALIDATE, *map(str, sorted(out.glob("*.yaml")))], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(site)}, timeout=300)
+        assert v.returncode == 0 and len(v.stdout.splitlines()) == 3, v.stdout + v.stderr[-3000:]
     assert len(got) == 6
     assert all(l.endswith("v5p-16 2 1 3") for l in got[:3]) and all(l.endswith("h100-80gb-8 1 2 3") for l in got[3:])
     assert all(shlex.split(l)[0].startswith("d-replicas-toy-toy-") for l in got)
