@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Device check of gradient accumulation and the memory preflight on one NVIDIA GPU (issue #41): ≤ 4 minutes of time
+# Device check of gradient accumulation and the memory preflight on one NVIDIA GPU (issue #41): ≤ 5 minutes of time
 # boxes on one H200, writes $OUT/{log.txt,accum.json,refuse.json} (scripts/gpu_check_accum.py: what each phase does).
 #
 #   bash scripts/gpu_check_accum.sh          on the GPU machine (the image's jax; no network)
 #   bash scripts/gpu_check_accum.sh --dry    CPU only, tiny scales (tests/test_gpu_check.py)
 #
 # Uses .whl/*.whl when present, as scripts/gpu_check.sh does (missing pure-Python deps into /tmp/site).
-# Phases: setup 20 s · accum 80 s (toy accum_steps 1/2/4 at highest precision; 35M DP bf16 accum 4 vs 1) ·
+# Phases: setup 20 s · accum 150 s (toy accum_steps 1/2/4 at highest precision; 35M DP bf16 accum 4 vs 1) ·
 #   refuse 130 s (1B Streaming M=2 on the one GPU: refused; accum_steps=16: compiled, checked, one step run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ main() {
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -2 || true
-  phase accum 80 env "${PLAT[@]}" JAX_DEFAULT_MATMUL_PRECISION=highest $PY scripts/gpu_check_accum.py accum "$OUT" "${DRY[@]}"
+  phase accum 150 env "${PLAT[@]}" JAX_DEFAULT_MATMUL_PRECISION=highest $PY scripts/gpu_check_accum.py accum "$OUT" "${DRY[@]}"
   phase refuse 130 env "${PLAT[@]}" $PY scripts/gpu_check_accum.py refuse "$OUT" "${DRY[@]}"
   echo "gpu_check_accum: done in $SECONDS s"
 }
