@@ -10,8 +10,10 @@ A scenario is a set of faults on one run config:
   syncer    SIGKILL the synchronizer once learner 0 has logged `at` steps of the run's second half; started
             again at once on its workdir (it resumes from its checkpoint)
 
-Goodput = the tokens of every contribution merged (the synchronizer's counter) / (wall seconds × learners);
-wall from the learners' start to the last one's exit. The eval loss is of learner 0's final θᵍ.
+Goodput = the tokens of every contribution merged (the synchronizer's counter) / (train seconds × learners),
+train seconds from the first step any learner finished to the last (the processes' start-up and first compiles
+left out: the same in every run, and most of a toy run's wall; a restarted learner's are in). The eval loss is of learner 0's final θᵍ. The table's runs:
+quorum = all, --grace 2 s; 4 learners, 48 steps, E3M0, H = 4, 3 fragments, τ = 1, 0.2 s of sleep per step.
 """
 from __future__ import annotations
 
@@ -140,10 +142,41 @@ def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict
     finally:
         c.close()
     summaries = [json.loads((root / f"learner{m}" / "summary.json").read_text()) for m in range(learners)]
+    unix = [[row["unix"] for row in rows(root / f"learner{m}" / "metrics.jsonl")] for m in range(learners)]
+    train = max(u[-1] for u in unix) - min(u[0] for u in unix)  # first step done → last step done, any learner
     return {"faults": "+".join(sorted(faults)) or "none", "learners": learners, "steps": steps, "quorum": quorum,
-            "grace": grace, "wall_seconds": round(wall, 2), "tokens_merged": stats["tokens_merged"],
-            "goodput_tokens_per_s_per_learner": round(stats["tokens_merged"] / wall / learners, 1),
+            "grace": grace, "wall_seconds": round(wall, 2), "train_seconds": round(train, 2),
+            "tokens_merged": stats["tokens_merged"],
+            "goodput_tokens_per_s_per_learner": round(stats["tokens_merged"] / train / learners, 1),
             "eval_loss": summaries[0]["eval_loss"], "stats": stats, "summaries": summaries, "events": events}
+
+
+def table(results: list[dict]) -> str:
+    """chaos.md: one row per run, goodput against the mean of the no-fault runs, bytes per round per learner."""
+    base = [r["goodput_tokens_per_s_per_learner"] for r in results if r["faults"] == "none" and r["answer"] == "fp32"]
+    band = [r["eval_loss"] for r in results if r["faults"] == "none" and r["answer"] == "fp32"]
+    lines = ["# Independent learners under faults (diloco/learners/chaos.py)", "",
+             "`python -m diloco.learners.chaos --out results/learners --runs /tmp/learners_chaos` (2 CPU cores, shared; "
+             "4 learner processes + the synchronizer; quorum = all, grace 2 s; tiny scale, 48 steps, E3M0, H = 4, "
+             "3 fragments, τ = 1, 0.2 s sleep per step, the straggler 0.6 s). B/round: bytes per push and per answer "
+             "of one learner, frames with headers; the SPMD path counts the push's codec bytes per replica. "
+             "Raw rows: chaos.jsonl.", "",
+             "| faults | answer | seed | train s | tokens merged | goodput tok/s/learner | vs no-fault | eval loss "
+             "| every round merged once | late dropped | learner retries | push B/round | answer B/round |",
+             "|" + " --- |" * 13]
+    for r in results:
+        st, ss = r["stats"], r["summaries"]
+        once = set(st["merges"].values()) == {1} and set(st["merges"]) == {
+            f"{p}/{k}" for p, last in enumerate(st["merged_rounds"]) for k in range(1, last + 1)}
+        sends = sum(sum(s["rounds"]) for s in ss)
+        lines.append(f"| {r['faults']} | {r['answer']} | {r['seed']} | {r['train_seconds']:.1f} | {r['tokens_merged']} | "
+                     f"{r['goodput_tokens_per_s_per_learner']:.1f} | "
+                     f"{r['goodput_tokens_per_s_per_learner'] / (sum(base) / len(base)):.2f} | {r['eval_loss']:.4f} | "
+                     f"{'yes' if once else 'NO'} ({sum(st['merges'].values())}) | "
+                     f"{sum(int(v) for v in st['dropped_late'].values())} | {sum(s['retries'] for s in ss)} | "
+                     f"{sum(s['bytes_sent'] for s in ss) / sends:.0f} | {sum(s['bytes_received'] for s in ss) / sends:.0f} |")
+    lines.append(f"\nNo-fault eval loss band (seeds): {min(band):.4f} … {max(band):.4f}.")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,25 +185,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--seeds", type=int, default=2, help="no-fault runs (seeds 0 … n−1): the eval loss band")
+    ap.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs; checkpoints: keep it out of git)")
+    ap.add_argument("--grace", type=float, default=2.0)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = dict(scale="tiny", seq_len=32, batch_size=4 * args.learners, H=4, layers_per_fragment=1, codec="e3m0",
                 codec_block_size=64, tau=1, log_every=1, eval_every=1000, checkpoint_every=4, eval_batches=4)
-    plan = [(set(), s) for s in range(args.seeds)] + [({f}, 0) for f in ("kill", "straggle", "syncer")]
-    plan.append(({"kill", "straggle", "syncer"}, 0))
+    plan = [(set(), s, "fp32") for s in range(args.seeds)] + [(set(), 0, "codec")]
+    plan += [({f}, 0, "fp32") for f in ("kill", "straggle", "syncer")] + [({"kill", "straggle", "syncer"}, 0, "fp32")]
     results = []
-    for faults, seed in plan:
+    for faults, seed, answer in plan:
         name = "+".join(sorted(faults)) or "none"
-        root = out / "runs" / f"{name}-seed{seed}"
-        r = run(root, faults, args.learners, args.steps, {**base, "seed": seed}, quorum=args.learners - 1, grace=2.0)
-        r["seed"] = seed
+        root = Path(args.runs or out / "runs") / f"{name}-{answer}-seed{seed}"
+        r = run(root, faults, args.learners, args.steps, {**base, "seed": seed}, quorum=None, grace=args.grace,
+                answer=answer)
+        r.update(seed=seed, answer=answer)
         results.append(r)
-        print(json.dumps({k: r[k] for k in ("faults", "seed", "wall_seconds", "goodput_tokens_per_s_per_learner",
-                                            "eval_loss")}), flush=True)
+        print(json.dumps({k: r[k] for k in ("faults", "answer", "seed", "wall_seconds",
+                                            "goodput_tokens_per_s_per_learner", "eval_loss")}), flush=True)
     with open(out / "chaos.jsonl", "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
+    (out / "chaos.md").write_text(table(results))
     return 0
 
 

@@ -7,6 +7,8 @@ answers every contributor with the new θᵍ_p. A joining learner gets the curre
 The service is grpcio with generic handlers over bytes (diloco/learners/proto.py has the frame and the
 checks). It binds to 127.0.0.1 unless --host says otherwise, and every call must carry the shared token.
 A bad message is refused with its reason (logged, counted in Stats) and the service goes on serving.
+With --workdir every merge is checkpointed before it is answered, and a restart resumes from the newest
+checkpoint (`Synchronizer.resume`); a merge that raises is answered INTERNAL and stops the service (exit 3).
 """
 from __future__ import annotations
 
