@@ -289,6 +289,25 @@ def test_fit_verdicts_from_a_memory_table(point, acc, slices, verdict, says):
     assert got == verdict and says in why, why
 
 
+@pytest.mark.parametrize("tokens,batch,steps,refused,warned", [
+    (459 * 512, 512, 10, "459 train rows of seq_len 512, fewer than one global batch of 512", ""),  # the 459-row store
+    (512 * 512, 512, 1, "", ""),                                  # one batch exactly, read once
+    (512 * 512, 512, 3, "", "3.0× the 262,144 train tokens"),     # three passes over it
+    (700_000_000, 512, 1_000_000, "", "≈ 374 times"),             # 2.6e11 tokens read from a 7e8-token store
+])
+def test_a_store_smaller_than_a_batch_is_refused_and_one_smaller_than_the_run_warned(tokens, batch, steps, refused,
+                                                                                     warned):
+    """By hand: rows = tokens // seq_len; the run reads steps × batch × seq_len tokens."""
+    cfg = preflight.load_config("experiments/toy.py:diloco", ["--config.seq_len=512", f"--config.batch_size={batch}", f"--config.steps={steps}"],
+                                check_data=False)
+    if refused:
+        with pytest.raises(ConfigError, match=refused):
+            preflight.check_store_size(cfg, "p", "gs://b/s", tokens)
+        return
+    warning = preflight.check_store_size(cfg, "p", "gs://b/s", tokens)
+    assert (warned in warning) if warned else warning == "", warning
+
+
 def test_the_committed_memory_table_is_read():
     rows = preflight.memory_table()
     assert {(r["scale"], r["method"], r["chip"]) for r in rows} >= {("1B", "Streaming", "v5p"), ("35M", "DP", "v5e")}
@@ -687,13 +706,13 @@ def test_a_c4_pod_point_is_refused_before_the_bucket_or_the_cloud_is_touched(sta
     assert not out.exists() and list(gcs.objects()) == ["tfds/c4/en/3.0.1/dataset_info.json"]
 
 
-def _store_on_gcs(gcs, tmp_path, url: str, vocab: str) -> None:
+def _store_on_gcs(gcs, tmp_path, url: str, vocab: str, n_train: int = 2) -> None:
     """A small store on the emulator (byte vocabulary), its manifest then re-signed for `vocab`: the preflight
     reads only the manifest, and the tests have no SentencePiece model to tokenize with."""
     from diloco.data import store
     from test_store import make_text_corpus
 
-    store.tokenize(make_text_corpus(tmp_path / "corpus", n_train=2, n_val=1, size=1600), "byte", url, workers=1,
+    store.tokenize(make_text_corpus(tmp_path / "corpus", n_train=n_train, n_val=1, size=1600), "byte", url, workers=1,
                    progress=False)
     man = store.read_manifest(url)
     assert 1024 <= man["splits"]["validation"]["tokens"] < 2048  # rows of the point's seq_len 1024, not of 2048
@@ -726,7 +745,7 @@ def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(s
     _store_on_gcs(gcs, tmp_path, url, "byte")
     err = refused()
     assert f"vocab: point default: the token store {url} was tokenized with a byte vocabulary" in err, err
-    _store_on_gcs(gcs, tmp_path, url, f"sentencepiece:{vocab}")
+    _store_on_gcs(gcs, tmp_path, url, f"sentencepiece:{vocab}", n_train=6)  # 9 train rows of 1024
     objects = sorted(gcs.objects())
     argv += ["--set", "seq_len=2048"]  # longer than the validation split
     assert f"data: point default: the 'validation' split of {url} has" in refused()
@@ -737,6 +756,8 @@ def test_the_bucket_checks_refuse_before_anything_and_up_stages_the_vocabulary(s
     argv[argv.index("--root") + 1] = "gs://no-such-bucket-here/runs"
     assert "--root: gs://no-such-bucket-here/runs: cannot write a probe object" in refused()
     argv[argv.index("--root") + 1] = gcs.url("runs")
+    assert "has 9 train rows of seq_len 1024, fewer than one global batch of 64" in refused()
+    argv += ["--set", "batch_size=8"]
     assert sw.main(argv) == 0, capsys.readouterr().err
     fp = json.loads(gcs.read(f"{url}/manifest.json"))["fingerprint"]
     assert f"point default reads the token store {url} (fingerprint {fp[:12]}, " in capsys.readouterr().out

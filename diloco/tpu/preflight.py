@@ -7,7 +7,8 @@ One ConfigError (one line naming the field and the fix) for the first thing wron
   the data where the workers can read it (a token store on gs://, or files of the tree; no TFDS corpus,
   which the TPU hosts would tokenize), the vocabulary present, the fit in HBM (results/pod/memory.csv, or
   `--check-fit compile`); then, with the bucket: the bucket writable (a probe object written and deleted),
-  the store's manifest on gs:// (vocabulary, seq_len), a gs:// vocabulary present. Nothing here calls gcloud or creates a resource.
+  the store's manifest on gs:// (vocabulary, seq_len, a global batch of rows; more tokens read than it holds is
+  a warning), a gs:// vocabulary present. Nothing here calls gcloud or creates a resource.
 """
 from __future__ import annotations
 
@@ -230,9 +231,25 @@ def check_bucket(root: str) -> None:
                           "that the bucket exists and `gcloud auth application-default login` can write to it") from None
 
 
-def check_remote(cfg, name: str) -> str:
-    """A token store's manifest on gs:// (it exists and fits the point's vocabulary and seq_len) and a gs://
-    vocabulary, read through the same libraries the workers use; what the point reads ('' when not a store)."""
+def check_store_size(cfg, name: str, store: str, tokens: int) -> str:
+    """Refuses a store whose train split has fewer rows of seq_len than one global batch; '' or a warning when
+    the run reads more tokens than the split holds (it would repeat the data, epoch after epoch)."""
+    rows, need = tokens // cfg.seq_len, cfg.steps * cfg.batch_size * cfg.seq_len
+    if rows < cfg.batch_size:
+        raise ConfigError("data", f"point {name}: the token store {store} has {rows:,} train rows of seq_len "
+                          f"{cfg.seq_len}, fewer than one global batch of {cfg.batch_size}; tokenize more into it "
+                          f"(`diloco data tokenize`), or --set batch_size={rows} at most")
+    if need <= tokens:
+        return ""
+    return (f"point {name}: the run reads {need:,} tokens ({cfg.steps:,} steps × {cfg.batch_size} × {cfg.seq_len}), "
+            f"{need / tokens:,.1f}× the {tokens:,} train tokens of {store}: it repeats the data ≈ {need / tokens:,.0f} "
+            "times; tokenize more, or fewer steps")
+
+
+def check_remote(cfg, name: str, warnings: list | None = None) -> str:
+    """A token store's manifest on gs:// (it exists and fits the point's vocabulary and seq_len, holds a global
+    batch; a warning into `warnings` when the run reads more tokens than it holds) and a gs:// vocabulary, read
+    through the same libraries the workers use; what the point reads ('' when not a store)."""
     from diloco.data import parse_vocab, specs
 
     where, found = specs.store_path(cfg.data), ""
@@ -244,6 +261,9 @@ def check_remote(cfg, name: str) -> str:
         except ConfigError as e:
             raise _point_error(e, name) from None
         tokens = man["splits"]["train"]["tokens"]
+        warning = check_store_size(cfg, name, where, tokens)
+        if warning and warnings is not None:
+            warnings.append(warning)
         found = f"the token store {where} (fingerprint {man['fingerprint'][:12]}, {tokens:,} train tokens)"
     if (cfg.vocab or "").startswith("sentencepiece:gs://"):
         try:
@@ -295,7 +315,7 @@ def check(sweep: dict, root: str, accelerator: str, slices: int, extra: list[str
     if remote:
         check_bucket(root)
         for name, cfg in out.configs.items():
-            found = check_remote(cfg, name)
+            found = check_remote(cfg, name, out.warnings)
             if found:
                 out.notes.append(f"point {name} reads {found}")
     return out
