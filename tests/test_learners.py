@@ -144,3 +144,20 @@ def test_a_restored_round_book_merges_nothing_twice_and_forgets_open_rounds():
     back.add(1, 1, 1, 64, "e", now=5.0)
     back.take(1, 1)
     assert back.merges == {(0, 1): 1, (1, 1): 1} and back.meta()["took"] == {"0/1": [0, 1], "1/1": [0, 1]}
+
+
+def test_plain_grpc_only_on_loopback_unless_told(tmp_path):
+    from diloco.errors import ConfigError
+    from diloco.learners.common import read_tls
+
+    assert read_tls(None, None, "127.0.0.1", insecure=False) is None
+    assert read_tls(None, None, "0.0.0.0", insecure=True) is None
+    with pytest.raises(ConfigError, match="0.0.0.0: off loopback the synchronizer needs TLS"):
+        read_tls(None, None, "0.0.0.0", insecure=False)
+    with pytest.raises(ConfigError, match="both --tls_cert and --tls_key"):
+        read_tls("c.pem", None, "127.0.0.1", insecure=False)
+    (tmp_path / "c.pem").write_bytes(b"CERT")
+    with pytest.raises(ConfigError, match="tls_key: .*k.pem: No such file"):
+        read_tls(str(tmp_path / "c.pem"), str(tmp_path / "k.pem"), "0.0.0.0", insecure=False)
+    (tmp_path / "k.pem").write_bytes(b"KEY")
+    assert read_tls(str(tmp_path / "c.pem"), str(tmp_path / "k.pem"), "0.0.0.0", insecure=False) == (b"KEY", b"CERT")

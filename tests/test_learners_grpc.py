@@ -223,3 +223,25 @@ def test_chaos_kill_a_learner_straggle_and_kill_the_synchronizer(tmp_path):
     between = np.diff(unix)[(unix[1:] > ev["learner1_killed_at"]) & (unix[1:] < ev["syncer_killed_at"])]
     assert len(between) >= 2 and between.max() <= grace + 2.0, between
     assert all(np.isfinite(s["eval_loss"]) for s in (s0, s1, s2))
+
+
+def test_tls_when_the_synchronizer_has_a_certificate(tmp_path):
+    """--tls_cert/--tls_key: a learner trusting the certificate (--tls_ca) talks to it; a plain-gRPC one cannot."""
+    import subprocess
+
+    from diloco.learners.client import SyncClient
+    from diloco.learners.syncer import Synchronizer, serve
+
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    syncer = Synchronizer(tiny_config("streaming", **OVER))
+    server, port = serve(syncer, TOKEN, tls=(key.read_bytes(), cert.read_bytes()))
+    try:
+        ok = SyncClient(f"127.0.0.1:{port}", TOKEN, 0, "", timeout=30, retry_for=0, tls_ca=cert.read_bytes())
+        assert "merges" in ok.stats()
+        with pytest.raises(grpc.RpcError) as e:
+            SyncClient(f"127.0.0.1:{port}", TOKEN, 0, "", timeout=10, retry_for=0).stats()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)

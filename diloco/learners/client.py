@@ -63,14 +63,16 @@ class SyncClient:
     BACKOFF = (0.5, 8.0)  # first wait, longest wait (doubling)
 
     def __init__(self, address: str, token: str, learner: int, fingerprint: str, timeout: float = 600.0,
-                 retry_for: float = 600.0, log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+                 retry_for: float = 600.0, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                 tls_ca: bytes | None = None):
         import grpc
 
         if address.startswith("grpc://"):
             address = address[len("grpc://"):]
         self.grpc, self.timeout, self.retry_for, self.log = grpc, timeout, retry_for, log
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                               ("grpc.max_send_message_length", 1 << 30)])
+        options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+        self.channel = (grpc.insecure_channel(address, options=options) if tls_ca is None else
+                        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options))
         self.meta = (("authorization", f"Bearer {token}"),)
         self.learner, self.fingerprint = learner, fingerprint
         self.calls = {name: self.channel.unary_unary(f"/{proto.SERVICE}/{name}") for name in ("Push", "Join", "Stats")}
@@ -358,6 +360,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--token_file", default=None, help=f"the shared token (default ${common.TOKEN_ENV})")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds slept per step (a straggler, for tests)")
+    ap.add_argument("--tls_ca", default=None, help="PEM certificate(s) to trust: talk TLS to a synchronizer "
+                    "started with --tls_cert")
     ap.add_argument("--retry_for", type=float, default=600.0,
                     help="seconds a call is retried while the synchronizer is unreachable (default 600)")
     args, overrides = ap.parse_known_args(argv)
@@ -366,8 +370,9 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = load_config(args.config, overrides)
+        ca = None if args.tls_ca is None else common.read_file(args.tls_ca, "tls_ca")
         client = SyncClient(args.sync, common.read_token(args.token_file), args.learner, common.fingerprint(cfg),
-                            retry_for=args.retry_for)
+                            retry_for=args.retry_for, tls_ca=ca)
         summary = Learner(cfg, args.learner, client, args.workdir, args.sleep).train()
     except (ConfigError, CheckpointError) as e:
         print(f"diloco learner: bad input: {e}", file=sys.stderr)

@@ -87,6 +87,29 @@ def apply_update(codec, n: int):
     return jax.jit(lambda theta_n, payload: theta_n + codecs.decode(codec, payload, n))
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def read_tls(cert: str | None, key: str | None, host: str, insecure: bool) -> tuple[bytes, bytes] | None:
+    """The synchronizer's (key, certificate) PEM bytes, or None for plain gRPC: which only loopback gets unless
+    --insecure says so (the token would cross the network in the clear)."""
+    if (cert is None) != (key is None):
+        raise ConfigError("tls_cert", "give both --tls_cert and --tls_key (PEM files), or neither")
+    if cert is None:
+        if host not in LOOPBACK and not insecure:
+            raise ConfigError("host", f"{host}: off loopback the synchronizer needs TLS (--tls_cert FILE --tls_key "
+                                      "FILE), or --insecure on a network you trust")
+        return None
+    return read_file(key, "tls_key"), read_file(cert, "tls_cert")
+
+
+def read_file(name: str, field: str) -> bytes:
+    try:
+        return open(name, "rb").read()
+    except OSError as e:
+        raise ConfigError(field, f"{name}: {e.strerror}") from None
+
+
 def read_token(token_file: str | None) -> str:
     """The shared token: the file's first line, else $DILOCO_SYNC_TOKEN; neither is one line of bad input."""
     if token_file:

@@ -236,9 +236,10 @@ class Synchronizer:
                     "failed": self.failed}
 
 
-def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int = 0, workers: int = 32):
+def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int = 0, workers: int = 32,
+          tls: tuple[bytes, bytes] | None = None):
     """Start the gRPC service; returns (server, bound port). Every method checks the token first: the shared
-    secret `token` or a learner's own (proto.learner_token)."""
+    secret `token` or a learner's own (proto.learner_token). `tls`: (key, certificate) PEM bytes."""
     import grpc
 
     def handler(fn):
@@ -265,7 +266,8 @@ def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int =
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(proto.SERVICE, {
         "Push": handler(syncer.push), "Join": handler(syncer.join),
         "Stats": handler(lambda body, who: json.dumps(syncer.stats()).encode())}),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_insecure_port(f"{host}:{port}") if tls is None else
+             server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([tls])))
     if not bound:
         raise ConfigError("port", f"cannot bind {host}:{port} (in use?)")
     server.start()
@@ -289,6 +291,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--answer", choices=("fp32", "codec"), default="fp32",
                     help="what a learner gets back: θᵍ_p in fp32 (default: the SPMD run's numbers), or θᵍ_p's update "
                          "quantized with the run's codec, the remainder carried to the next round (error feedback)")
+    ap.add_argument("--tls_cert", default=None, help="PEM certificate: serve over TLS (learners: --tls_ca)")
+    ap.add_argument("--tls_key", default=None, help="PEM private key of --tls_cert")
+    ap.add_argument("--insecure", action="store_true", help="allow plain gRPC off loopback")
     ap.add_argument("--workdir", default=None, help="checkpoint every merge into WORKDIR/ckpt and resume from "
                     "it when started again (default: none, the state dies with the process)")
     ap.add_argument("--stats", default=None, help="write the counters (JSON) here every second and at exit")
@@ -304,7 +309,8 @@ def main(argv: list[str]) -> int:
             return 0
         syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace, args.workdir,
                               args.answer)
-        server, port = serve(syncer, token, args.host, args.port)
+        tls = common.read_tls(args.tls_cert, args.tls_key, args.host, args.insecure)
+        server, port = serve(syncer, token, args.host, args.port, tls=tls)
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"diloco syncer: bad input: {e}", file=sys.stderr)
         return 2
