@@ -385,6 +385,36 @@ def test_the_vms_service_account_needs_roles_for_what_the_hosts_do(bindings, tea
     assert pods.check_account(_live(service_account="sa@proj.iam.gserviceaccount.com"), run)[0] == ""
 
 
+VIEWER = {"role": "roles/storage.objectViewer", "members": [f"serviceAccount:{SA}"]}
+
+
+@pytest.mark.parametrize("extra,parent,refused,warned", [
+    ([], {}, "granting storage.objects.create, storage.objects.delete", ""),  # the viewer role alone: refused
+    ([{"role": "roles/storage.objectUser", "members": [f"serviceAccount:{SA}"],
+       "condition": {"title": "runs only", "expression": "resource.name.startsWith('projects/_/buckets/bkt/objects/r')"}}],
+     {}, "", "it may through a conditional binding"),
+    ([{"role": "roles/storage.objectUser", "members": ["group:ml@example.com"]}], {}, "", "a group or domain binding"),
+    ([{"role": "roles/storage.objectUser", "members": ["domain:example.com"]}], {}, "", "a group or domain binding"),
+    ([], {"type": "folder", "id": "42"}, "", "the folder above project proj (inherited roles"),
+    ([{"role": "roles/storage.objectViewer", "members": ["group:ml@example.com"]}], {}, "granting", ""),  # not enough
+])
+def test_a_role_held_through_a_condition_a_group_or_a_folder_is_a_warning_not_a_refusal(extra, parent, refused, warned,
+                                                                                        monkeypatch):
+    run = FakeGcloud(**{"projects describe": {"projectNumber": "123", **({"parent": parent} if parent else {})},
+                        "projects get-iam-policy": {"bindings": [VIEWER, *extra]},
+                        "storage buckets get-iam-policy": {"bindings": []}})
+    why, warning = pods.check_account(_live(), run)
+    assert (refused in why if refused else why == "") and (warned in warning if warned else warning == ""), (why, warning)
+    if refused:  # DILOCO_IAM_CHECK=warn: the user overrides the refusal; `up` goes on with a warning
+        said = []
+        monkeypatch.setattr(pods, "check_offered", lambda plan, run: ("", ""))
+        monkeypatch.setattr(pods, "check_location", lambda plan, run: ("", ""))
+        monkeypatch.setattr(pods, "other_launches", lambda plan, run: [])
+        assert pods.check_up(_live(), run, said.append) != ""
+        monkeypatch.setenv("DILOCO_IAM_CHECK", "warn")
+        assert pods.check_up(_live(), run, said.append) == "" and refused in said[-1] and "warning" in said[-1]
+
+
 def test_the_zone_must_offer_the_type_and_no_stray_node_may_hold_the_name():
     run = FakeGcloud(**{"compute tpus tpu-vm accelerator-types list": [{"type": "v5p-8"}, {"type": "v5p-32"}],
                         "compute tpus tpu-vm list": [{"name": "projects/p/locations/z/nodes/pod-1"}]})

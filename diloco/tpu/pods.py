@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -184,8 +185,15 @@ def vm_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
     return (f"{number}-compute@developer.gserviceaccount.com" if number else ""), project
 
 
+def grants_of(bindings: list[dict], who) -> set:
+    """What the predefined roles of the bindings whose members satisfy `who` grant (gcdlD letters)."""
+    return set().union(*(ROLE_GRANTS.get(b.get("role"), set()) for b in bindings if any(map(who, b.get("members", [])))))
+
+
 def check_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
-    """(refusal, warning): the VMs' service account holds roles for what the hosts do."""
+    """(refusal, warning): the VMs' service account holds roles for what the hosts do. Held only through a
+    conditional binding, a group or domain binding, or possibly a folder or organisation above the project
+    (inherited roles are not in the project's policy): a warning, not a refusal."""
     sa, project = vm_account(plan, run)
     if not sa:
         return "", "could not tell the VMs' service account (no project number); its roles not checked"
@@ -194,8 +202,10 @@ def check_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
                 gcloud_json(["storage", "buckets", "get-iam-policy", f"gs://{bucket_of(plan)}"], run)]
     if any(p is None for p in policies):
         return "", f"could not read the IAM policies of project {project} and gs://{bucket_of(plan)}; {sa}'s roles not checked"
-    roles = {b.get("role") for p in policies for b in p.get("bindings", []) if member in b.get("members", [])}
-    grants = set().union(*(ROLE_GRANTS.get(r, set()) for r in roles))
+    bindings = [b for p in policies for b in p.get("bindings", [])]
+    plain = [b for b in bindings if "condition" not in b]
+    roles = {b.get("role") for b in plain if member in b.get("members", [])}
+    grants = grants_of(plain, lambda m: m == member)
     unknown = sorted(r for r in roles if r not in ROLE_GRANTS and (not r.startswith("roles/") or
                                                                    r.startswith("roles/storage.")))
     need = set(ALL) | ({"D"} if plan.get("teardown") else set())
@@ -205,15 +215,26 @@ def check_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
     if unknown:
         return "", (f"{sa} has roles {', '.join(unknown)} this check cannot read; make sure they grant "
                     f"{', '.join(missing)} (docs/distributed.md §9)")
+    left = {k for k in need - grants}
+    parent = ((gcloud_json(["projects", "describe", project], run) or {}).get("parent") or {}).get("type", "")
+    maybe = [why for why, g in (
+        ("a conditional binding (its condition is not evaluated here)",
+         grants_of([b for b in bindings if "condition" in b], lambda m: m == member)),
+        ("a group or domain binding", grants_of(bindings, lambda m: m.split(":")[0] in ("group", "domain"))),
+        (f"the {parent} above project {project} (inherited roles are not in its policy)", ALL | {"D"} if parent else set()),
+    ) if left <= g]
+    if maybe:
+        return "", (f"{sa} holds no role granting {', '.join(missing)} directly; it may through {' or '.join(maybe)}: "
+                    "make sure, or the hosts cannot fetch the tree or write heartbeats (docs/distributed.md §9)")
     have = ", ".join(sorted(roles)) or "none"
     if missing != [PERMS["D"]]:
         return (f"the VMs' service account {sa} holds no role on project {project} or gs://{bucket_of(plan)} "
                 f"granting {', '.join(missing)} (its roles: {have}): the hosts could not fetch the tree or write "
                 f"heartbeats; `gcloud storage buckets add-iam-policy-binding gs://{bucket_of(plan)} "
-                f"--member={member} --role=roles/storage.objectUser`"), ""
+                f"--member={member} --role=roles/storage.objectUser` (DILOCO_IAM_CHECK=warn: a warning)"), ""
     return (f"--teardown: the VMs' service account {sa} cannot delete the queued resource (its roles: {have}); "
             f"`gcloud projects add-iam-policy-binding {project} --member={member} --role=roles/tpu.admin`, or "
-            "bundle without --teardown"), ""
+            "bundle without --teardown (DILOCO_IAM_CHECK=warn: a warning)"), ""
 
 
 def check_up(plan: dict, run=subprocess.run, say=print) -> str:
@@ -229,6 +250,8 @@ def check_up(plan: dict, run=subprocess.run, say=print) -> str:
     if note:
         say(f"launch_tpu.sh up: {note}")
     why, account = check_account(plan, run)
+    if why and os.environ.get("DILOCO_IAM_CHECK") == "warn":  # the user's override: they know better
+        why, account = "", why
     if why:
         return why
     for warning in (offered, where_, account):
