@@ -415,6 +415,28 @@ def test_a_role_held_through_a_condition_a_group_or_a_folder_is_a_warning_not_a_
         assert pods.check_up(_live(), run, said.append) == "" and refused in said[-1] and "warning" in said[-1]
 
 
+def test_the_buckets_the_points_read_are_checked_too():
+    """The store's bucket without a role for the account: a warning naming it and the binding; a public
+    vocabulary bucket (allUsers) and the root's own bucket: nothing."""
+    plan = _live(points=[{"name": "a", "workdir": "gs://bkt/r/s/a", "argv": [
+        "train", "--config.data=tokens:gs://stores/c4", "--config.vocab=sentencepiece:gs://t5-data/v/spm.model",
+        "--workdir", "gs://bkt/r/s/a"]}])
+    policies = {"gs://stores": {"bindings": [{"role": "roles/storage.objectViewer", "members": ["user:me@x.org"]}]},
+                "gs://t5-data": {"bindings": [{"role": "roles/storage.objectViewer", "members": ["allUsers"]}]}}
+
+    def run(argv, **kw):
+        out = {"projects describe": {"projectNumber": "123"}, "projects get-iam-policy": {"bindings": []}}.get(
+            " ".join(argv[1:3])) or policies.get(argv[4] if argv[1:4] == ["storage", "buckets", "get-iam-policy"] else "")
+        return subprocess.CompletedProcess(argv, 0 if out else 1, json.dumps(out), "")
+
+    assert pods.read_buckets(plan) == ["stores", "t5-data"]
+    said = pods.check_readers(plan, run)
+    assert len(said) == 1 and said[0].startswith(f"{SA} holds no role on project proj or gs://stores (a bucket the "
+                                                 "points read) granting storage.objects.get and list"), said
+    policies["gs://stores"]["bindings"][0]["members"].append(f"serviceAccount:{SA}")
+    assert pods.check_readers(plan, run) == []
+
+
 def test_the_zone_must_offer_the_type_and_no_stray_node_may_hold_the_name():
     run = FakeGcloud(**{"compute tpus tpu-vm accelerator-types list": [{"type": "v5p-8"}, {"type": "v5p-32"}],
                         "compute tpus tpu-vm list": [{"name": "projects/p/locations/z/nodes/pod-1"}]})

@@ -11,7 +11,10 @@ One pod, one namespace: a launch's coordination lives in ROOT/<sweep>/_pods/<que
   - when the VMs' service account (--service-account, else the project's default compute account) holds
     no role, on the project or the bucket, granting what the hosts do: storage.objects get/create/delete/
     list on the bucket, and tpu.queuedResources.delete with --teardown (predefined roles only: a custom
-    role, or a policy this account cannot read, is a warning, not a refusal).
+    role, a policy this account cannot read, a role held only through a condition, a group or domain, or
+    possibly a folder or organisation above the project is a warning, not a refusal; DILOCO_IAM_CHECK=warn
+    makes any refusal here a warning); a warning when it may not read the other buckets the points read
+    (a token store's, a vocabulary's).
 It prints the bucket's location beside the zone, with a warning when they differ.
 Exit 0 when `up` may go on, 1 with one line on stderr when refused. Runs `gcloud storage ls|cat` and
 `gcloud compute tpus queued-resources describe` (the laptop's credentials, as `up`); creates nothing.
@@ -237,6 +240,31 @@ def check_account(plan: dict, run=subprocess.run) -> tuple[str, str]:
             "bundle without --teardown (DILOCO_IAM_CHECK=warn: a warning)"), ""
 
 
+def read_buckets(plan: dict) -> list[str]:
+    """The other buckets the points read (a token store, a vocabulary: gs:// values in their argv)."""
+    found = {a.split("gs://", 1)[1].split("/", 1)[0] for pt in plan["points"] for a in pt.get("argv", []) if "gs://" in a}
+    return sorted(found - {bucket_of(plan)})
+
+
+def check_readers(plan: dict, run=subprocess.run) -> list[str]:
+    """Warnings: a bucket the points read (the store's, the vocabulary's) whose objects the VMs' account may not
+    get and list by any predefined role on it or the project (public buckets: allUsers / allAuthenticatedUsers)."""
+    sa, project = vm_account(plan, run)
+    member, out = f"serviceAccount:{sa}", []
+    proj = (gcloud_json(["projects", "get-iam-policy", project], run) or {}) if project else {}
+    for b in read_buckets(plan) if sa else []:
+        pol = gcloud_json(["storage", "buckets", "get-iam-policy", f"gs://{b}"], run)
+        if pol is None:
+            out.append(f"could not read the IAM policy of gs://{b} (a bucket the points read); {sa}'s access not checked")
+            continue
+        plain = [x for x in proj.get("bindings", []) + pol.get("bindings", []) if "condition" not in x]
+        if not set("gl") <= grants_of(plain, lambda m: m in (member, "allUsers", "allAuthenticatedUsers")):
+            out.append(f"{sa} holds no role on project {project} or gs://{b} (a bucket the points read) granting "
+                       f"storage.objects.get and list directly: `gcloud storage buckets add-iam-policy-binding gs://{b} "
+                       f"--member={member} --role=roles/storage.objectViewer`, unless a group or folder grants it")
+    return out
+
+
 def check_up(plan: dict, run=subprocess.run, say=print) -> str:
     """Every check of `up`, in order; '' when it may go on (notes and warnings said on the way)."""
     desc = describe(plan["qr"], plan, run)
@@ -254,7 +282,7 @@ def check_up(plan: dict, run=subprocess.run, say=print) -> str:
         why, account = "", why
     if why:
         return why
-    for warning in (offered, where_, account):
+    for warning in (offered, where_, account, *check_readers(plan, run)):
         if warning:
             say(f"launch_tpu.sh up: warning: {warning}")
     return check_others(plan, other_launches(plan, run), lambda qr, p: describe(qr, p, run))
