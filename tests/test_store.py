@@ -385,7 +385,8 @@ def test_preflight_checks_a_points_store_before_billing(gcs, corpus):
     url = gcs.url("stores", "p")
 
     def cfg(data, vocab="byte", seq_len=64):
-        return ml_collections.ConfigDict({"data": data, "vocab": vocab, "seq_len": seq_len, "data_dir": ""})
+        return ml_collections.ConfigDict({"data": data, "vocab": vocab, "seq_len": seq_len, "data_dir": "",
+                                          "steps": 1, "batch_size": 1})
 
     with pytest.raises(ConfigError, match="on this machine's disk.*diloco data tokenize"):
         preflight.check_data(cfg("tokens:/tmp/store"), "pt", set())

@@ -249,10 +249,13 @@ def read_buckets(plan: dict) -> list[str]:
 def check_readers(plan: dict, run=subprocess.run) -> list[str]:
     """Warnings: a bucket the points read (the store's, the vocabulary's) whose objects the VMs' account may not
     get and list by any predefined role on it or the project (public buckets: allUsers / allAuthenticatedUsers)."""
+    buckets = read_buckets(plan)
+    if not buckets:  # nothing else to read: no gcloud call
+        return []
     sa, project = vm_account(plan, run)
     member, out = f"serviceAccount:{sa}", []
-    proj = (gcloud_json(["projects", "get-iam-policy", project], run) or {}) if project else {}
-    for b in read_buckets(plan) if sa else []:
+    proj = (gcloud_json(["projects", "get-iam-policy", project], run) or {}) if project and sa else {}
+    for b in buckets if sa else []:
         pol = gcloud_json(["storage", "buckets", "get-iam-policy", f"gs://{b}"], run)
         if pol is None:
             out.append(f"could not read the IAM policy of gs://{b} (a bucket the points read); {sa}'s access not checked")
