@@ -85,7 +85,9 @@ XPK = ["xpk==1.16.0", "ruamel.yaml==0.19.1", "google-cloud-resource-manager==1.1
        "durationpy==0.11", "websocket-client==1.9.2", "setuptools-scm==10.3.4", "vcs-versioning==2.6.0",
        "argcomplete==3.7.2", "pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0",
        "typing-inspection==0.4.2", "docker==7.1.0"]  # what `xpk.parser.workload` imports, beside packages of our lock
-SCHEMAS = ["kubernetes-validate==1.37.0", "importlib-resources==7.1.0"]  # Kubernetes' own schemas, per version
+SCHEMAS = ["kubernetes-validate==1.37.0", "importlib-resources==7.1.0",  # Kubernetes' own schemas, per version,
+           "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0",  # and the
+           "rpds-py==0.30.0"]  # validator under them (absent from a fresh venv; --no-deps, as xpk)
 # Each replicated job of a JobSet is a batch/v1 Job template: checked against Kubernetes 1.33's schema, unknown
 # fields refused (strict). The JobSet fields around them have no schema on PyPI (the CRD lives in jobset's repo).
 VALIDATE = """
