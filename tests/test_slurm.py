@@ -135,9 +135,12 @@ def _squeue(cluster, *args) -> str:
 
 
 def _finish(cluster, wd: Path, job: str, limit_s: float = 600) -> dict:
-    deadline = time.time() + limit_s
+    deadline, held = time.time() + limit_s, 0
     while time.time() < deadline and not (wd / "summary.json").exists():
-        if "BeginTime" in _squeue(cluster, "-j", job, "-o", "%r"):  # a requeued job waits 2 min: not in a test
+        # A requeued job waits 2 min: not in a test. Started in the second its old credential was revoked, slurmd
+        # refuses it ("Job credential revoked": whole seconds compared) and the job ends: start it 2 s later.
+        held = held + 1 if "BeginTime" in _squeue(cluster, "-j", job, "-o", "%r") else 0
+        if held >= 2:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env={**os.environ, **cluster})
         time.sleep(1)
     while _squeue(cluster, "-j", job).strip() and time.time() < deadline:
