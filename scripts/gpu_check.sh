@@ -25,19 +25,7 @@ WHL=${GPU_CHECK_WHL:-$PWD/.whl}  # the wheels and the token store (another folde
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
-phase() {  # phase NAME SECONDS CMD...: time-boxed, its outcome one line
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  echo "== phase $name (limit ${limit} s) $(date -u +%H:%M:%S)"
-  timeout --kill-after=5 "$limit" "$@"
-  rc=$?
-  case $rc in
-    0) echo "== phase $name: ok in $((SECONDS - t0)) s" ;;
-    124|137) echo "== phase $name: TIMED OUT at ${limit} s" ;;
-    *) echo "== phase $name: FAILED (exit $rc) in $((SECONDS - t0)) s" ;;
-  esac
-  return 0
-}
+. scripts/phase.sh  # phase NAME SECONDS CMD...
 
 setup() {
   if [ "$DRY" = 0 ] && ls "$WHL"/*.whl >/dev/null 2>&1; then

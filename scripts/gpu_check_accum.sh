@@ -21,19 +21,7 @@ PY=${PYTHON:-python3}
 PLAT=()
 [ ${#DRY[@]} = 1 ] && PLAT=(JAX_PLATFORMS=cpu)
 
-phase() {  # phase NAME SECONDS CMD...: time-boxed, its outcome one line
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  echo "== phase $name (limit ${limit} s) $(date -u +%H:%M:%S)"
-  timeout --kill-after=5 "$limit" "$@"
-  rc=$?
-  case $rc in
-    0) echo "== phase $name: ok in $((SECONDS - t0)) s" ;;
-    124|137) echo "== phase $name: TIMED OUT at ${limit} s" ;;
-    *) echo "== phase $name: FAILED (exit $rc) in $((SECONDS - t0)) s" ;;
-  esac
-  return 0
-}
+. scripts/phase.sh  # phase NAME SECONDS CMD...
 
 main() {
   echo "gpu_check_accum: OUT=$OUT ${DRY[*]} commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%Y-%m-%dT%H:%M:%SZ)"
