@@ -31,18 +31,11 @@ def start(cfg, **kw):
     return syncer, server, port
 
 
-def test_two_learners_give_the_spmd_runs_numbers(tmp_path):
-    """Quorum = all, no grace window: each learner's loss, step by step, is the SPMD replica's within 1e-6
-    relative. Not bit for bit: the inner step of one replica (the learner's program) and of two stacked
-    replicas (the SPMD program) are different XLA:CPU programs, 0-2 ulp apart from step 2 on (measured: at
-    most 2 ulp, 1.8e-7 relative, over 8 steps, 4 syncs); a wrong merge moves the rows after step 5 by > 1e-3."""
+def two_learners(cfg, port: int, tmp_path) -> dict:
+    """Learners 0 and 1 in threads against the synchronizer on `port`: {m: what Learner.train returned}."""
     from diloco.learners import common
     from diloco.learners.client import Learner, SyncClient
-    from diloco.train import train
 
-    cfg = tiny_config("streaming", **OVER)
-    spmd = train(cfg, tmp_path / "spmd", progress=False)
-    syncer, server, port = start(cfg)
     out = {}
 
     def learner(m):
@@ -52,6 +45,20 @@ def test_two_learners_give_the_spmd_runs_numbers(tmp_path):
     threads = [threading.Thread(target=learner, args=(m,)) for m in range(2)]
     [t.start() for t in threads]
     [t.join(timeout=300) for t in threads]
+    return out
+
+
+def test_two_learners_give_the_spmd_runs_numbers(tmp_path):
+    """Quorum = all, no grace window: each learner's loss, step by step, is the SPMD replica's within 1e-6
+    relative. Not bit for bit: the inner step of one replica (the learner's program) and of two stacked
+    replicas (the SPMD program) are different XLA:CPU programs, 0-2 ulp apart from step 2 on (measured: at
+    most 2 ulp, 1.8e-7 relative, over 8 steps, 4 syncs); a wrong merge moves the rows after step 5 by > 1e-3."""
+    from diloco.train import train
+
+    cfg = tiny_config("streaming", **OVER)
+    spmd = train(cfg, tmp_path / "spmd", progress=False)
+    syncer, server, port = start(cfg)
+    out = two_learners(cfg, port, tmp_path)
     server.stop(0)
     assert sorted(out) == [0, 1]
     want = np.array([r["train_loss_replicas"] for r in rows(tmp_path / "spmd" / "metrics.jsonl")])
@@ -70,21 +77,13 @@ def test_quantized_answers_keep_every_learner_on_the_synchronizers_theta(tmp_pat
     and adds it with the synchronizer's own program: two learners end on the synchronizer's θᵍ bit for bit,
     having received the codec's bytes per round instead of 4 per element; without `have` the answer is fp32."""
     from diloco.learners import common
-    from diloco.learners.client import Learner, SyncClient
+    from diloco.learners.client import SyncClient
     from diloco.outer import codecs
     from diloco.outer.sync import params_sha256
 
     cfg = tiny_config("streaming", **OVER)
     syncer, server, port = start(cfg, answer="codec")
-    out = {}
-
-    def learner(m):
-        client = SyncClient(f"grpc://127.0.0.1:{port}", TOKEN, m, common.fingerprint(cfg))
-        out[m] = Learner(cfg, m, client, os.fspath(tmp_path / f"learner{m}")).train()
-
-    threads = [threading.Thread(target=learner, args=(m,)) for m in range(2)]
-    [t.start() for t in threads]
-    [t.join(timeout=300) for t in threads]
+    out = two_learners(cfg, port, tmp_path)
     assert sorted(out) == [0, 1]
     assert out[0]["params_sha256"] == out[1]["params_sha256"] == params_sha256(syncer.outer.params)
     sizes, codec = syncer.sync.frags.sizes, syncer.sync.codec
