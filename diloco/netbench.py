@@ -59,17 +59,6 @@ def stack_local(x_local, mesh):
     return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("replica")), [x])
 
 
-def barrier(mesh) -> None:
-    """Every process reaches this point before any goes on (a tiny blocking all-gather)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    f = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "replica", tiled=True), mesh=mesh,
-                              in_specs=P("replica"), out_specs=P(), check_vma=False))
-    f(stack_local(jnp.zeros((1,), jnp.int32), mesh)).block_until_ready()
-
-
 # -- throughput --------------------------------------------------------------------------------------
 def throughput(mb: float, repeats: int = 5) -> dict:
     """Median time of an all-gather of `mb` MB per process over the replica axis."""

@@ -178,9 +178,6 @@ class StoreBatches:
     def tokens_read(self) -> int:
         return self.step * len(self.local) * self.seq_len
 
-    def shards_read(self) -> list[int]:
-        return []
-
     def local_positions(self) -> np.ndarray:
         return np.asarray([self.step], np.int64)
 

@@ -132,7 +132,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
 # A row of a table is one setting (a sweep point) over its seeds. Its eval loss is printed as
 # mean ± sample standard deviation (ddof=1) over the n seeds. A gap between two settings is the mean
 # over seeds of the per-seed gap (paired: seed s of both rows shares its initialisation and data
-# order). In the tables (paired_gap_pct, paired_diff) its uncertainty is twice the standard error of
+# order). In the tables (paired_gap_pct) its uncertainty is twice the standard error of
 # that mean, 2·sd/√n (≈ a 95 % interval for large n, too narrow for n = 2–3), and a gap is called a
 # difference only when |gap| > it; with fewer than 2 paired seeds it is never called one. The claims'
 # verdicts use Student's t instead (t_quantile, paired_stats, welch, seeds_needed below).
@@ -156,12 +156,6 @@ def paired_gap_pct(a: dict, b: dict) -> tuple[float, float, int]:
     """Gap of a over b in %, paired by seed: (mean of 100·(a_s/b_s − 1), 2·sd/√n, n); the uncertainty
     is NaN with fewer than 2 shared seeds (then n=1 gives the one gap, n=0 NaN)."""
     m, sd, n = paired_stats(a, b)
-    return m, (2.0 * sd / math.sqrt(n) if n > 1 else np.nan), n
-
-
-def paired_diff(a: dict, b: dict) -> tuple[float, float, int]:
-    """Like paired_gap_pct on the plain differences a_s − b_s (loss units)."""
-    m, sd, n = paired_stats(a, b, pct=False)
     return m, (2.0 * sd / math.sqrt(n) if n > 1 else np.nan), n
 
 

@@ -13,7 +13,6 @@ from diloco.simulate.dag import Assumptions, Method, Model
 from diloco.simulate.presets import EAGER, MODELS, PAPER, make_method
 from diloco.simulate.search import GRID, paper_print, printed_indices, required_bandwidth
 
-TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 SOURCES = {
     "sd": "streaming_diloco_v1:table4",  # the 75 cells of [SD] Table 4
     "eu": "eager_updates_v1:table5",  # [EU] Table 5: "inner" (τ = 1) and "outer" (eager, τ = H) rows

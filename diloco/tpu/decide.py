@@ -8,7 +8,6 @@ import json
 
 LEADER = "0-0"
 MAINTENANCE = "maintenance notice"  # an abort for this reason checkpoints like a stop and is not counted
-ENDS = ("finished", "failed", "stopped", "preempted")  # how an attempt ends; only `failed` counts to max_attempts
 
 
 @dataclasses.dataclass(frozen=True)
