@@ -139,16 +139,6 @@ def paper_label(cfg: Mapping[str, Any], H: int | None = None) -> str:
     return f"{v.paper_label}_h{cfg['H'] if H is None else H}" if v.takes_h else v.paper_label
 
 
-def label_of(name: str) -> str:
-    """An experiment's method argument as results/paper labels it: 'dp' -> 'data_parallel',
-    'streaming_ovl_fp4_h30' -> itself; a name that is no variant is returned unchanged."""
-    try:
-        v, H = parse(name)
-    except ValueError:
-        return name
-    return f"{v.paper_label}_h{H}" if v.takes_h else v.paper_label
-
-
 def num_fragments(layers: int, layers_per_fragment: int = 0, fragments: int = 0, embed_fragment: str = "first") -> int:
     """Total fragment count P: `fragments`, else ceil(layers / layers_per_fragment), else 1; plus one
     when the embeddings sync as their `own` fragment."""
