@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 
 from diloco import sweep as sw
-from diloco.config import REPO_ROOT
 from diloco.tpu import agent as A
 from diloco.tpu import status as S
 
@@ -103,19 +102,6 @@ def _complete_steps(gcs, wd: str, processes: int) -> list[int]:
 def _exits(gcs, base: str, point: str, n: int) -> dict:
     pre = f"{base}/{point}/_state/attempt-{n}/"
     return {k.rsplit("/", 1)[1][:-5]: json.loads(v) for k, v in gcs.objects(pre).items() if k.endswith(".json")}
-
-
-def _leaks(standin) -> list[str]:
-    """standin.secrets(), less files of a host's unpacked tree identical to the repository's (a test file
-    holds a fake PEM key to test the scanner): shipped as they are, not leaked from the environment."""
-    out = []
-    for finding in standin.secrets():
-        path = finding.rsplit(": ", 1)[0]
-        m = re.search(r"/tree-[0-9a-f]{12}/(.+)$", path)
-        if m and (REPO_ROOT / m.group(1)).is_file() and Path(path).read_bytes() == (REPO_ROOT / m.group(1)).read_bytes():
-            continue
-        out.append(finding)
-    return out
 
 
 def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_numbers(standin, gcs, tmp_path):
@@ -202,7 +188,7 @@ def test_a_killed_host_is_waited_for_and_the_point_resumes_to_the_uninterrupted_
 
     r = _sh(script, "down")
     assert r.returncode == 0 and standin.state(QR) is None
-    assert _leaks(standin) == []
+    assert standin.leaks() == []
     print(f"e2e: kill at {t_kill - t0:.0f} s, repair at {t_repair - t0:.0f} s, point 1 attempts {last}, "
           f"end at {time.time() - t0:.0f} s")
 
@@ -230,7 +216,7 @@ def test_a_bad_point_fails_after_its_attempts_with_its_last_log_lines_then_teard
     assert re.search(r"\n      \| diloco train: bad input: workdir: .* holds a run with a different config", r.stdout)
     st = json.loads(gcs.read(f"{base}/{point}/_state/status.json"))
     assert [st["attempts"][n]["result"] for n in ("1", "2")] == ["failed", "failed"]
-    assert _leaks(standin) == []
+    assert standin.leaks() == []
 
 
 # A stand-in for `diloco train` on one host (plan["program"]): one step per 0.4 s, its progress on gs:// after

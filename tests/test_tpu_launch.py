@@ -668,21 +668,6 @@ def _sh(script: Path, *args, env: dict, timeout: float = 120) -> subprocess.Comp
     return r
 
 
-def _leaks(standin) -> list[str]:
-    """standin.secrets(), less the repository's own files in a host's unpacked tree (tests/test_standin.py
-    holds a fake PEM key to test the scanner): shipped as they are, not leaked from the environment."""
-    import re
-
-    out = []
-    for finding in standin.secrets():
-        path = finding.rsplit(": ", 1)[0]
-        m = re.search(r"/tree-[0-9a-f]{12}/(.+)$", path)
-        if m and (REPO_ROOT / m.group(1)).is_file() and Path(path).read_bytes() == (REPO_ROOT / m.group(1)).read_bytes():
-            continue
-        out.append(finding)
-    return out
-
-
 def _gcloud_calls(standin) -> list[list[str]]:
     return [i["argv"] for i in standin.invocations() if i["host"] is None]
 
@@ -862,7 +847,7 @@ def test_up_start_status_logs_stop_down_on_the_standin_run_every_line_of_the_lau
     assert r.returncode == 0 and "slice1-worker0.log <==" in r.stdout and "slice0-worker0" not in r.stdout
     r = _sh(script, "down", env=env)
     assert r.returncode == 0 and standin.state("pod-1") is None
-    assert _leaks(standin) == []
+    assert standin.leaks() == []
     # every executable line of the scripts ran (startup.sh's install block runs in the install test; giving up
     # after the last try, in tests/test_tpu_cloud.py; the metadata-server lookup only on a VM)
     text = script.read_text().splitlines()  # `watch`: run by tests/test_tpu_e2e.py's Spot test (its own resource)
@@ -954,7 +939,7 @@ def test_a_fresh_host_installs_the_shipped_tree_from_the_lock_and_runs_a_point(s
     assert {k: v for k, v in installed.items() if k in lock and lock[k] != v} == {}
     text = (out / "startup.sh").read_text()
     assert install_lines(text) <= traced_lines(trace, ("startup.sh", "diloco-startup.sh"))
-    assert _leaks(standin) == []
+    assert standin.leaks() == []
 
 
 @pytest.mark.tpu
