@@ -7,7 +7,6 @@ m ← g + μm, θᵍ ← θᵍ − (g + μm). Every number below is worked out b
 import numpy as np
 import pytest
 
-from diloco.errors import ConfigError
 from diloco.outer import eager
 
 D2 = [(2.0, 4.0), (6.0, 2.0), (4.0, 8.0)]  # M = 2: Δ̄(1) = 3, Δ̄(2) = 4, Δ̄(3) = 6
@@ -119,15 +118,6 @@ def test_merge_alpha_and_in_flight():
     out = ref.round(np.array([[-2.0], [-4.0]]))  # Δ = (2, 4), g = (1, 2), θᵍ = (−1.5, −3)
     assert out[:, 0].tolist() == [(-2 - 1.5) / 2, (-4 - 3) / 2]
     assert [d[:, 0].tolist() for d in ref.in_flight()] == [[2.0, 4.0]]
-
-
-@pytest.mark.parametrize("mode, rounds, field", [("eagre", 1, "eager"), ("swap", 0, "eager_rounds"),
-                                                 ("off", 2, "eager_rounds"), ("mix", 1.5, "eager_rounds")])
-def test_bad_settings_name_the_field(mode, rounds, field):
-    with pytest.raises(ConfigError) as e:
-        eager.check(mode, rounds)
-    assert e.value.field == field
-    assert eager.per_replica("swap") and eager.per_replica("mix") and not eager.per_replica("naive")
 
 
 # --- the rules on the trainer's outer state (diloco/outer/rules.py, what the send programs run) against EagerRef ---

@@ -82,8 +82,8 @@ def test_eager_swap_evaluates_the_mean_of_the_replicas_outer_params(tmp_path):
 
 @pytest.mark.parametrize("over, field", [
     ({"eager": "eagre"}, "eager"), ({"eager": "swap", "eager_rounds": 0}, "eager_rounds"),
-    ({"eager_rounds": 2}, "eager_rounds"), ({"eager": "swap", "tau": 1}, "tau"),
-    ({"error_feedback": True, "exchange": "in_step", "tau": 0}, "exchange"),
+    ({"eager_rounds": 2}, "eager_rounds"), ({"eager": "mix", "eager_rounds": 1.5}, "eager_rounds"),
+    ({"eager": "swap", "tau": 1}, "tau"),
 ])
 def test_bad_eager_settings_name_the_field(over, field):
     base = {"method": "streaming", "tau": 0} if "tau" not in over else {"method": "streaming"}
