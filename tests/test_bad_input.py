@@ -93,6 +93,10 @@ BAD = [
     Bad("replica_axis", {"mesh.replica_axis": 3}, "mesh.replica_axis", r"3 must divide both the 1 devices and replicas=2",
         devices=1),
     Bad("eager_rounds_without_eager", {"eager_rounds": 2}, "eager_rounds", r"eager_rounds=2 needs eager=naive"),
+    Bad("eager_unknown", {"eager": "eagre"}, "eager", r"'eagre' is not one of off, naive, swap, mix"),
+    Bad("eager_rounds_zero", {"eager": "swap", "eager_rounds": 0}, "eager_rounds", r"0 is out of range; use a value ≥ 1"),
+    Bad("eager_rounds_not_int", {"eager": "mix", "eager_rounds": 1.5}, "eager_rounds", r"'1.5' is not an integer"),
+    Bad("eager_with_tau", {"eager": "swap", "tau": 1}, "tau", r"eager=swap applies a round's average eager_rounds·H"),
     Bad("error_feedback_on_dp", {"error_feedback": True}, "error_feedback",
         r"applies to the outer exchange of method=diloco or streaming, not dp", method="dp"),
     # fault knobs

@@ -80,23 +80,6 @@ def test_eager_swap_evaluates_the_mean_of_the_replicas_outer_params(tmp_path):
     assert frags == [] and np.array_equal(np.asarray(tr.sync.frags.flatten(tr.eval_params(drained), 0)), got)
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"eager": "eagre"}, "eager"), ({"eager": "swap", "eager_rounds": 0}, "eager_rounds"),
-    ({"eager_rounds": 2}, "eager_rounds"), ({"eager": "mix", "eager_rounds": 1.5}, "eager_rounds"),
-    ({"eager": "swap", "tau": 1}, "tau"),
-])
-def test_bad_eager_settings_name_the_field(over, field):
-    base = {"method": "streaming", "tau": 0} if "tau" not in over else {"method": "streaming"}
-    with pytest.raises(ConfigError) as e:  # load_config validates
-        load_config("experiments/toy.py:streaming", [f"--config.{k}={v}" for k, v in {**base, **over}.items()])
-    assert e.value.field == field
-
-
-def test_dp_refuses_eager():
-    with pytest.raises(ConfigError, match="error_feedback"):
-        load_config("experiments/toy.py:dp", ["--config.error_feedback=true"])
-
-
 def test_eager_sweep_points_validate():
     from diloco.sweep import load_sweep
 
