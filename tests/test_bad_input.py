@@ -71,6 +71,7 @@ BAD = [
     Bad("too_many_fragments", {"fragments": 9, "layers_per_fragment": 0}, "fragments", r"9"),
     Bad("outer_lr", {"outer.lr": 0.0}, "outer.lr", r"0.0 is out of range; use a value > 0"),
     Bad("outer_name", {"outer.name": "lion"}, "outer.name", r"'lion' is not one of nesterov, sgd, adam"),
+    Bad("outer_name_eager", {"outer.name": "adam", "eager": "swap", "tau": 0}, "outer.name", r"linear in Δ"),
     Bad("inner_lr", {"optimizer.lr": -1.0}, "optimizer.lr", r"-1.0 is out of range; use a value > 0"),
     Bad("dtype", {"model.dtype": "int8"}, "model.dtype", r"'int8' is not one of"),
     Bad("diloco_with_tau", {"tau": 1}, "method", r"diloco is P=1, tau=0", method="diloco"),
@@ -84,6 +85,15 @@ BAD = [
     Bad("eval_drain", {"eval_drain": "never"}, "eval_drain", r"'never' is not one of final, every"),
     Bad("in_step_without_tau", {"exchange": "in_step", "tau": 0}, "exchange", r"needs tau ≥ 1 \(got tau=0\)"),
     Bad("mesh_rules", {"mesh.rules": "batch"}, "mesh.rules", r"'batch' is not name=axis"),
+    Bad("mesh_rules_axis", {"mesh.rules": "embed=model"}, "mesh.rules", r"'model' is not a mesh axis"),
+    Bad("mesh_rules_name", {"mesh.rules": "embedding=fsdp"}, "mesh.rules", r"'embedding' is not a logical axis"),
+    Bad("mesh_rules_twice", {"mesh.rules": "embed=fsdp,embed=data"}, "mesh.rules", r"'embed' is given twice"),
+    Bad("mesh_rules_replica", {"mesh.rules": "batch=replica"}, "mesh.rules", r"'replica' is not a mesh axis inside"),
+    Bad("mesh_fsdp_not_divisor", {"mesh.fsdp": 3, "batch_size": 16}, "mesh.fsdp", r"3 does not divide the 8 devices",
+        method="dp", devices=8),
+    Bad("mesh_product", {"mesh.data": 2, "mesh.fsdp": 2, "batch_size": 16}, "mesh.fsdp", r"= 4 ≠ the 8 devices",
+        method="dp", devices=8),
+    Bad("mesh_zero", {"mesh.data": 0}, "mesh.data", r"0 must be ≥ 1, or -1", devices=2),
     Bad("mesh_both_remaining", {"mesh.data": -1, "mesh.fsdp": -1}, "mesh.fsdp",
         r"mesh.data and mesh.fsdp are both -1", devices=2),
     Bad("mesh_data_not_divisor", {"mesh.data": 2, "mesh.fsdp": 2}, "mesh.data",
@@ -160,6 +170,7 @@ def test_bad_config_or_data_names_field_and_says_what_is_wrong(case: Bad, tmp_pa
         if case.devices:
             mesh_shape(cfg, case.devices)
     assert e.value.field == case.field, str(e.value)
+    assert "\n" not in str(e.value) or case.field == "downstream.data_dir", str(e.value)  # items: a line each
     assert re.search(case.message, str(e.value), re.S), str(e.value)
 
 

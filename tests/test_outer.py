@@ -194,17 +194,6 @@ def test_outer_optimizer_steps_the_fragment_subtree_as_optax_does_by_hand(name):
     assert [m is not None for m in matrices] == [True, False, True, False, False]  # kernel, scale ×2, embedding
 
 
-def test_outer_names_refused_in_one_line():
-    from conftest import tiny_config
-    from diloco.errors import ConfigError
-
-    for over, msg in (({"outer.name": "lion"}, "'lion' is not one of nesterov, sgd, adam, adamw"),
-                      ({"outer.name": "adam", "eager": "swap", "tau": 0}, "linear in Δ")):
-        with pytest.raises(ConfigError, match=msg) as e:
-            tiny_config("streaming", **over)
-        assert e.value.field == "outer.name"
-
-
 def test_in_step_fails_loudly_when_a_parked_send_was_never_carried():
     """Trainer.inner_step instead of placement.step: the send parked after step 4 never runs, so the next
     send or apply raises instead of applying the previous Δ."""
