@@ -27,7 +27,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compile": ("diloco.compile", "compile a run for a TPU topology here: per-chip memory, FLOPs, collectives"),
     "data": ("diloco.data.cli", "token stores: tokenize a corpus once (tokenize), its manifest (info), preflight (check)"),
     "syncer": ("diloco.learners.syncer", "synchronizer of independent learners over gRPC: --config … --port …"),
-    "learner": ("diloco.learners.client", "one independent learner: --config … --sync grpc://HOST:PORT --learner m"),
 }
 
 

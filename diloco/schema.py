@@ -6,6 +6,7 @@ on a key without a declaration). Adding a key: give it a line in DECLARED next t
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -72,6 +73,17 @@ class Flag:
             raise ConfigError(key, f"{v!r} is not a boolean; use true or false")
 
 
+@dataclass(frozen=True)
+class Address:
+    """'' or grpc://HOST:PORT (HOST a name, an IPv4 address or [an IPv6 one], PORT 1 … 65535)."""
+
+    def check(self, key: str, v) -> None:
+        m = re.fullmatch(r"grpc://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})", v) if isinstance(v, str) else None
+        if v != "" and not (m and 1 <= int(m.group(2)) <= 65535):
+            raise ConfigError(key, f"{v!r} is not grpc://HOST:PORT (the synchronizer's address, e.g. "
+                                   "grpc://10.0.0.5:7070) or '' (one SPMD job)")
+
+
 def _methods():
     from diloco.outer.methods import METHODS
     return METHODS
@@ -114,7 +126,8 @@ DECLARED: dict[str, object] = {
     "data_dir": Text("a TFDS data_dir or ''"), "vocab": Text("byte or sentencepiece:<path>"),
     "seq_len": POS, "batch_size": POS, "accum_steps": POS, "steps": POS, "seed": NONNEG, "log_every": POS,
     "eval_every": POS, "eval_batches": POS, "exchange": OneOf(("auto", "blocking", "in_step")), "eval_drain": OneOf(("final", "every")),
-    "checkpoint_every": POS, "keep_checkpoints": POS,
+    "checkpoint_every": POS, "keep_checkpoints": POS, "sync": Address(),
+    "learner": Num(int, -1, fix="a learner's index 0 … replicas-1 (with sync), or -1"),
     "replicas": POS, "H": POS, "tau": NONNEG, "replica_tau": Text("'' or one τ per replica: '0,1,…'"),
     "alpha": FRACTION, "fragments": NONNEG, "layers_per_fragment": NONNEG, "pattern": OneOf(_patterns),
     "embed_fragment": OneOf(("first", "last", "own")), "codec": OneOf(_codecs), "codec_block_size": POS,

@@ -455,6 +455,9 @@ def main(argv: list[str]) -> int:
                     help="start from step 0 even though --workdir holds checkpoints: they and the run's records "
                          "(metrics.jsonl, downstream.jsonl, summary.json) are moved to DIR/set_aside/<time>/, "
                          "never deleted. Without it a run resumes, or stops (exit 4) at checkpoints it cannot use")
+    from diloco.learners.client import add_flags, run_learner
+
+    add_flags(ap)
     args, overrides = ap.parse_known_args(argv)
     from diloco.config import load_config
     from diloco.devmem import use_gpu_memory_fraction
@@ -467,6 +470,11 @@ def main(argv: list[str]) -> int:
         require(args.workdir, "workdir")  # a gs:// folder without the filesystem installed: one line, now
         with prompt_exit(*train_lines(args.workdir)):
             cfg = load_config(args.config, overrides)
+            if cfg.sync:  # one independent learner of a `diloco syncer` run (diloco/learners/client.py)
+                print(json.dumps(run_learner(cfg, args)), flush=True)
+                return 0
+            if cfg.learner != -1:
+                raise ConfigError("learner", "--config.learner=m needs --config.sync=grpc://HOST:PORT (the synchronizer)")
             summary = train(cfg, args.workdir, progress=not args.no_progress, fresh=args.fresh)
     except ConfigError as e:
         print(f"diloco train: bad input: {e}", file=sys.stderr)

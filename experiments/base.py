@@ -27,6 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_drain = "final"
     c.checkpoint_every = 100
     c.keep_checkpoints = 2
+    # "" (one SPMD job) or grpc://HOST:PORT: this process is independent learner `learner` (0 … replicas-1) of
+    # a `diloco syncer` run (docs/distributed.md §11). Neither key is part of the run's fingerprint.
+    c.sync = ""
+    c.learner = -1
 
     # DiLoCo family (ignored by dp except `replicas` and `dp_grad_dtype` for bytes accounting).
     c.replicas = 2                 # M

@@ -63,41 +63,28 @@ def test_a_wrong_push_names_what_is_wrong(over, reason):
         proto.check_push(head, payload, FakeExpect(), learners=2, fragments=2)
 
 
-def test_the_token_is_compared_whole():
-    tok = "s3cret-token-0123456789"
-    assert proto.authorized([("authorization", f"Bearer {tok}")], tok)
-    for bad in ([], [("authorization", tok)], [("authorization", f"Bearer {tok[:-1]}")],
-                [("authorization", f"Bearer {tok}x")]):
-        assert not proto.authorized(bad, tok)
-
-
-def test_a_learners_own_token_names_it_and_only_it():
+def test_a_token_is_compared_whole_and_a_learners_own_names_it_and_only_it():
     secret = "s3cret-token-0123456789"
     bearer = lambda tok: [("authorization", f"Bearer {tok}")]
     assert proto.caller(bearer(secret), secret, learners=3) == proto.ANY
+    for bad in ([], [("authorization", secret)], bearer(secret[:-1]), bearer(secret + "x"),
+                bearer(proto.learner_token(secret, 3)), bearer(proto.learner_token("another-secret-0123", 0))):
+        assert proto.caller(bad, secret, 3) is None  # no learner 3; another secret's learner 0
     assert [proto.caller(bearer(proto.learner_token(secret, m)), secret, 3) for m in range(3)] == [0, 1, 2]
-    assert proto.caller(bearer(proto.learner_token(secret, 3)), secret, 3) is None  # no learner 3
-    assert proto.caller(bearer(proto.learner_token("another-secret-0123", 0)), secret, 3) is None
     assert len({proto.learner_token(secret, m) for m in range(3)}) == 3
 
 
-def test_token_weights_by_hand():
+def test_quorum_or_grace_window_merges_each_round_once_weighted_by_tokens():
     assert weights([256, 256]) == [1.0, 1.0]  # equal learners: exactly the SPMD path's weights
     w = weights([100, 300])  # Σ w·x / Σ w with x = (1, 3): (1/3 + 3) / (4/3) = 2.5 = (100·1 + 300·3) / 400
     assert w == [1 / 3, 1.0] and (w[0] * 1 + w[1] * 3) / sum(w) == pytest.approx(2.5, abs=1e-15)
-
-
-def test_quorum_merges_at_once_and_each_round_once():
     r = Rounds(learners=3, fragments=2, quorum=2, grace=5.0)
     assert r.add(0, 1, 1, 64, "a", now=0.0) == "fresh" and not r.due(1, 1, now=4.9)
     assert r.add(2, 1, 1, 32, "c", now=1.0) == "fresh" and r.due(1, 1, now=1.0)
     assert r.take(1, 1) == [(0, 64, "a"), (2, 32, "c")]  # learner order, whatever the arrival order
     assert r.add(1, 1, 1, 64, "b", now=2.0) == "late"  # dropped, counted
     assert r.dropped[1] == 1 and r.merges == {(1, 1): 1} and r.merged == [0, 1] and r.took == {(1, 1): [0, 2]}
-
-
-def test_the_grace_window_merges_what_arrived():
-    r = Rounds(learners=2, fragments=1, grace=3.0)  # quorum = all
+    r = Rounds(learners=2, fragments=1, grace=3.0)  # quorum = all, a grace window: it merges what arrived
     r.add(1, 0, 1, 64, "b", now=10.0)
     assert r.deadline(0, 1) == 13.0 and not r.due(0, 1, now=12.99) and r.due(0, 1, now=13.0)
     assert r.take(0, 1) == [(1, 64, "b")]
@@ -146,9 +133,16 @@ def test_a_restored_round_book_merges_nothing_twice_and_forgets_open_rounds():
     assert back.merges == {(0, 1): 1, (1, 1): 1} and back.meta()["took"] == {"0/1": [0, 1], "1/1": [0, 1]}
 
 
-def test_plain_grpc_only_on_loopback_unless_told(tmp_path):
+def test_plain_grpc_only_on_loopback_unless_told_and_a_bad_sync_address_is_one_line(tmp_path):
     from diloco.errors import ConfigError
     from diloco.learners.common import read_tls
+    from diloco.schema import Address
+
+    for good in ("", "grpc://10.0.0.5:7070", "grpc://sync-host.example:1", "grpc://[::1]:65535"):
+        Address().check("sync", good)
+    for bad in ("10.0.0.5:7070", "grpc://h", "grpc://h:0", "grpc://h:70000", "http://h:80", "grpc://a b:1"):
+        with pytest.raises(ConfigError, match=f"sync: '{bad}' is not grpc://HOST:PORT .* or '' .one SPMD job.$"):
+            Address().check("sync", bad)
 
     assert read_tls(None, None, "127.0.0.1", insecure=False) is None
     assert read_tls(None, None, "0.0.0.0", insecure=True) is None

@@ -1,4 +1,5 @@
-"""Chaos runs of independent learners on one machine: `diloco syncer` and M `diloco learner` processes on
+"""Chaos runs of independent learners on one machine: `diloco syncer` and M learner processes (`diloco train
+--config.sync=grpc://…`) on
 loopback gRPC, real SIGKILLs, a straggler slowed by a sleep per step (tests/test_learners_grpc.py, and
 `python -m diloco.learners.chaos --out results/learners`, which writes the table docs/distributed.md shows).
 
@@ -29,6 +30,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "chaos-run-token-0123456789abcdef"
+# scripts/netns.sh's names for the throttled runs (never those of a measurement of `diloco launch --netns`)
+NETNS = {"DILOCO_NETNS_PREFIX": "dlchaos", "DILOCO_NETNS_BRIDGE": "dlchbr0", "DILOCO_NETNS_SUBNET": "10.79.0"}
+LINK = ("10mbit", "100ms", "1%")  # rate, one-way delay, loss of every namespace's egress
+
+
+def netns_sh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", os.fspath(REPO / "scripts" / "netns.sh"), *args], env={**os.environ, **NETNS},
+                          capture_output=True, text=True)
+
+
+def throttle(n: int) -> str:
+    """Namespaces 0 … n−1 (the synchronizer in 0, learner m in m+1), each egress shaped as LINK says; what the
+    links got (netem's delay and loss need the sch_netem module: without it the rate alone)."""
+    up = netns_sh("up", str(n), *LINK)
+    if up.returncode:
+        raise RuntimeError(f"scripts/netns.sh up failed (root and iproute2 needed):\n{up.stderr}")
+    qdisc = subprocess.run(["ip", "netns", "exec", f"{NETNS['DILOCO_NETNS_PREFIX']}0", "tc", "qdisc", "show", "dev",
+                            "eth0"], capture_output=True, text=True).stdout
+    return (f"{LINK[0]}, {LINK[1]}, {LINK[2]} loss" if "netem" in qdisc else
+            f"{LINK[0]}; no delay or loss: netem (sch_netem) is not in this kernel")
 
 
 def free_port() -> int:
@@ -46,19 +67,24 @@ class Cluster:
     and the learners, each logging to ROOT/<name>.log."""
 
     def __init__(self, root: Path, flags: list[str], learners: int, quorum: int | None, grace: float | None,
-                 answer: str = "fp32"):
-        self.root, self.flags, self.M = root, flags, learners
+                 answer: str = "fp32", netns: bool = False):
+        self.root, self.flags, self.M, self.netns = root, flags, learners, netns
         self.port = free_port()
-        self.env = {**os.environ, "DILOCO_SYNC_TOKEN": TOKEN, "XLA_FLAGS": ""}
-        self.syncer_args = ["--port", str(self.port), "--workdir", os.fspath(root / "syncer"), "--answer", answer]
+        self.env = {**os.environ, "DILOCO_SYNC_TOKEN": TOKEN, "XLA_FLAGS": "", **(NETNS if netns else {})}
+        self.host = f"{NETNS['DILOCO_NETNS_SUBNET']}.1" if netns else "127.0.0.1"  # namespace 0's address
+        self.syncer_args = ["--port", str(self.port), "--workdir", os.fspath(root / "syncer"), "--answer", answer,
+                            "--host", self.host, "--stats", os.fspath(root / "stats.json")]
+        self.syncer_args += ["--insecure"] if netns else []  # plain gRPC between the namespaces (token still checked)
         self.syncer_args += [] if quorum is None else ["--quorum", str(quorum)]
         self.syncer_args += [] if grace is None else ["--grace", str(grace)]
         self.procs: dict[str, subprocess.Popen] = {}
         root.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], ns: int = 0) -> subprocess.Popen:
+        """`diloco ARGS` (in namespace `ns` of scripts/netns.sh when the links are throttled)."""
         log = open(self.root / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "diloco.cli", *args], cwd=REPO, env=self.env,
+        pre = ["ip", "netns", "exec", f"{NETNS['DILOCO_NETNS_PREFIX']}{ns}"] if self.netns else []
+        self.procs[name] = subprocess.Popen([*pre, sys.executable, "-m", "diloco.cli", *args], cwd=REPO, env=self.env,
                                             stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
@@ -73,8 +99,9 @@ class Cluster:
             time.sleep(0.1)
 
     def learner(self, m: int, sleep: float) -> None:
-        self.spawn(f"learner{m}", ["learner", *self.flags, "--sync", f"grpc://127.0.0.1:{self.port}", "--learner",
-                                   str(m), "--workdir", os.fspath(self.root / f"learner{m}"), "--sleep", str(sleep)])
+        self.spawn(f"learner{m}", ["train", *self.flags, f"--config.sync=grpc://{self.host}:{self.port}", "--no_progress",
+                                   f"--config.learner={m}", "--workdir", os.fspath(self.root / f"learner{m}"),
+                                   "--sleep", str(sleep)], ns=m + 1)
 
     def steps(self, m: int) -> int:
         return len(rows(self.root / f"learner{m}" / "metrics.jsonl"))
@@ -97,9 +124,10 @@ class Cluster:
             time.sleep(0.05)
 
     def stats(self) -> dict:
-        from diloco.learners.client import SyncClient
-
-        return SyncClient(f"127.0.0.1:{self.port}", TOKEN, 0, "", timeout=30, retry_for=0).stats()
+        """The synchronizer's counters, from its --stats file (written every second: every merge is answered
+        before the learners end, so 2 s later it holds them all)."""
+        time.sleep(2.0)
+        return json.loads((self.root / "stats.json").read_text())
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -113,7 +141,8 @@ def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict
     """One chaos run; its counters and measurements (see the module's docstring)."""
     flags = ["--config", "experiments/toy.py:streaming", f"--config.replicas={learners}", f"--config.steps={steps}",
              *[f"--config.{k}={v}" for k, v in overrides.items()]]
-    c, events = Cluster(root, flags, learners, quorum, grace, answer), {}
+    link = throttle(learners + 1) if "throttle" in faults else "loopback"
+    c, events = Cluster(root, flags, learners, quorum, grace, answer, netns="throttle" in faults), {}
     deadline = time.time() + timeout
     try:
         c.syncer()
@@ -141,6 +170,8 @@ def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict
         stats = c.stats()
     finally:
         c.close()
+        if link != "loopback":
+            netns_sh("down", str(learners + 1))
     summaries = [json.loads((root / f"learner{m}" / "summary.json").read_text()) for m in range(learners)]
     unix = [[row["unix"] for row in rows(root / f"learner{m}" / "metrics.jsonl")] for m in range(learners)]
     train = max(u[-1] for u in unix) - min(u[0] for u in unix)  # first step done → last step done, any learner
@@ -148,6 +179,8 @@ def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict
             "grace": grace, "wall_seconds": round(wall, 2), "train_seconds": round(train, 2),
             "tokens_merged": stats["tokens_merged"],
             "goodput_tokens_per_s_per_learner": round(stats["tokens_merged"] / train / learners, 1),
+            "compute_utilisation": round(1 - sum(s["seconds_waiting"] for s in summaries)
+                                         / sum(s["loop_seconds"] for s in summaries), 3), "link": link,
             "eval_loss": summaries[0]["eval_loss"], "stats": stats, "summaries": summaries, "events": events}
 
 
@@ -161,9 +194,9 @@ def table(results: list[dict]) -> str:
              "3 fragments, τ = 1, 0.2 s sleep per step, the straggler 0.6 s). B/round: bytes per push and per answer "
              "of one learner, frames with headers; the SPMD path counts the push's codec bytes per replica. "
              "Raw rows: chaos.jsonl.", "",
-             "| faults | answer | seed | train s | tokens merged | goodput tok/s/learner | vs no-fault | eval loss "
+             "| faults | answer | seed | train s | tokens merged | goodput tok/s/learner | vs no-fault | CU | eval loss "
              "| every round merged once | late dropped | learner retries | push B/round | answer B/round |",
-             "|" + " --- |" * 13]
+             "|" + " --- |" * 14]
     for r in results:
         st, ss = r["stats"], r["summaries"]
         once = set(st["merges"].values()) == {1} and set(st["merges"]) == {
@@ -171,11 +204,17 @@ def table(results: list[dict]) -> str:
         sends = sum(sum(s["rounds"]) for s in ss)
         lines.append(f"| {r['faults']} | {r['answer']} | {r['seed']} | {r['train_seconds']:.1f} | {r['tokens_merged']} | "
                      f"{r['goodput_tokens_per_s_per_learner']:.1f} | "
-                     f"{r['goodput_tokens_per_s_per_learner'] / (sum(base) / len(base)):.2f} | {r['eval_loss']:.4f} | "
+                     f"{r['goodput_tokens_per_s_per_learner'] / (sum(base) / len(base)):.2f} | "
+                     f"{format(r['compute_utilisation'], '.2f') if 'compute_utilisation' in r else '—'} | "
+                     f"{r['eval_loss']:.4f} | "
                      f"{'yes' if once else 'NO'} ({sum(st['merges'].values())}) | "
                      f"{sum(int(v) for v in st['dropped_late'].values())} | {sum(s['retries'] for s in ss)} | "
                      f"{sum(s['bytes_sent'] for s in ss) / sends:.0f} | {sum(s['bytes_received'] for s in ss) / sends:.0f} |")
-    lines.append(f"\nNo-fault eval loss band (seeds): {min(band):.4f} … {max(band):.4f}.")
+    lines.append(f"\nNo-fault eval loss band (seeds 0 … {len(band) - 1}): {min(band):.4f} … {max(band):.4f}. CU: compute "
+                 "utilisation, 1 − (seconds the learners' loops waited for an answer) / (their loops' seconds).")
+    links = {r["link"] for r in results if r.get("link", "loopback") != "loopback"}
+    lines += [f"throttle: the synchronizer and each learner in a network namespace of its own (scripts/netns.sh), "
+              f"every egress {link}." for link in sorted(links)]
     return "\n".join(lines) + "\n"
 
 
@@ -187,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="no-fault runs (seeds 0 … n−1): the eval loss band")
     ap.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs; checkpoints: keep it out of git)")
     ap.add_argument("--grace", type=float, default=2.0)
+    ap.add_argument("--only", default="", help="run only these rows (faults-answer, e.g. throttle-fp32,throttle-codec) "
+                    "and put them into OUT/chaos.jsonl beside the others")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,16 +235,21 @@ def main(argv: list[str] | None = None) -> int:
                 codec_block_size=64, tau=1, log_every=1, eval_every=1000, checkpoint_every=4, eval_batches=4)
     plan = [(set(), s, "fp32") for s in range(args.seeds)] + [(set(), 0, "codec")]
     plan += [({f}, 0, "fp32") for f in ("kill", "straggle", "syncer")] + [({"kill", "straggle", "syncer"}, 0, "fp32")]
-    results = []
+    plan += [({"throttle"}, 0, "fp32"), ({"throttle"}, 0, "codec")]
+    name = lambda faults: "+".join(sorted(faults)) or "none"
+    only = set(args.only.split(",")) - {""}
+    plan = [p for p in plan if not only or f"{name(p[0])}-{p[2]}" in only]
+    results = rows(out / "chaos.jsonl") if only else []
     for faults, seed, answer in plan:
-        name = "+".join(sorted(faults)) or "none"
-        root = Path(args.runs or out / "runs") / f"{name}-{answer}-seed{seed}"
+        results = [r for r in results if (r["faults"], r["answer"], r["seed"]) != (name(faults), answer, seed)]
+        root = Path(args.runs or out / "runs") / f"{name(faults)}-{answer}-seed{seed}"
         r = run(root, faults, args.learners, args.steps, {**base, "seed": seed}, quorum=None, grace=args.grace,
                 answer=answer)
         r.update(seed=seed, answer=answer)
         results.append(r)
         print(json.dumps({k: r[k] for k in ("faults", "answer", "seed", "wall_seconds",
-                                            "goodput_tokens_per_s_per_learner", "eval_loss")}), flush=True)
+                                            "goodput_tokens_per_s_per_learner", "compute_utilisation",
+                                            "eval_loss")}), flush=True)
     with open(out / "chaos.jsonl", "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")

@@ -1,9 +1,9 @@
-"""A learner (`diloco learner --config … --sync grpc://HOST:PORT --learner m --workdir DIR`): one JAX job
+"""A learner (`diloco train --config … --config.sync=grpc://HOST:PORT --config.learner=m --workdir DIR`): one JAX job
 training replica m of the run config on its own, exchanging with the synchronizer (diloco/learners/syncer.py)
 over gRPC instead of the `replica` mesh axis.
 
 It drives the existing Trainer from outside (its jitted inner step, OuterSync's delta and merge, the
-schedule, the codec registry) rather than being a placement of `diloco train`. After inner step t, as the
+schedule, the codec registry) rather than being a placement of the SPMD loop. After inner step t, as the
 SPMD driver does (diloco/outer/driver.py):
 
   sends(t)          Δ_m,p = θᵍ_p − θ_m,p, encoded with the run's codec and the key the SPMD run's replica m
@@ -64,15 +64,17 @@ class SyncClient:
 
     def __init__(self, address: str, token: str, learner: int, fingerprint: str, timeout: float = 600.0,
                  retry_for: float = 600.0, log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                 tls_ca: bytes | None = None):
+                 tls_ca: bytes | None = None, tls_pair: tuple[bytes, bytes] | None = None):
         import grpc
 
         if address.startswith("grpc://"):
             address = address[len("grpc://"):]
         self.grpc, self.timeout, self.retry_for, self.log = grpc, timeout, retry_for, log
         options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
-        self.channel = (grpc.insecure_channel(address, options=options) if tls_ca is None else
-                        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options))
+        key, cert = tls_pair or (None, None)  # a client certificate, for a synchronizer that asks for one (mTLS)
+        self.channel = (grpc.insecure_channel(address, options=options) if tls_ca is None else grpc.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates=tls_ca, private_key=key, certificate_chain=cert),
+            options))
         self.meta = (("authorization", f"Bearer {token}"),)
         self.learner, self.fingerprint = learner, fingerprint
         self.calls = {name: self.channel.unary_unary(f"/{proto.SERVICE}/{name}") for name in ("Push", "Join", "Stats")}
@@ -178,6 +180,7 @@ class Learner:
         self.inflight: dict[int, tuple[int, Pending]] = {}  # p → (round, its push)
         self.owed: set[int] = set()                # fragments whose answer came late: apply and merge owed
         self.stalled = self.deferred_steps = 0     # steps trained while an answer was owed
+        self.waited = 0.0                          # seconds the loop waited for answers (transfers not hidden)
         self.caught_up: list[int] = []             # rounds skipped by catch_up, per fragment
         self._jit: dict = {}
 
@@ -269,7 +272,7 @@ class Learner:
                                                                  {k: np.asarray(v) for k, v in arrays.items()},
                                                                  have=self.rounds[p] - 1))
         for p in self.schedule.outer_updates(t):
-            if p in self.inflight and not self.inflight[p][1].wait():
+            if p in self.inflight and not self.waiting(self.inflight[p][1].wait):
                 self.owed.add(p)  # the synchronizer is unreachable: train on, apply when it answers
             elif p in self.inflight:
                 self.land(p)
@@ -278,11 +281,18 @@ class Learner:
                 self.state = self.program("merge", p)(self.state, jnp.asarray(mask[:1]))
         self.deferred_steps += bool(self.owed)
 
+    def waiting(self, fn, *args):
+        t = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.waited += time.monotonic() - t
+
     def land(self, p: int, merge: bool = False) -> dict:
         import jax.numpy as jnp
 
         k, pending = self.inflight.pop(p)
-        head, theta = self.client.answer(pending)
+        head, theta = self.waiting(self.client.answer, pending)
         if head["round"] < k or head["fragment"] != p:
             raise RuntimeError(f"asked fragment {p} round {k}, got {head['fragment']} round {head['round']}")
         self.rounds[p] = max(self.rounds[p], head["round"])  # a late contribution gets the newest θᵍ_p
@@ -334,6 +344,7 @@ class Learner:
             if t % self.cfg.checkpoint_every == 0 or t == self.cfg.steps:
                 self.save(t)
         self.drain()  # θᵍ with every round in flight applied (the SPMD summary's)
+        loop = time.time() - t0
         self.data.close()
         self.ck.close()
         ev = self.tr.eval_fn()
@@ -346,36 +357,38 @@ class Learner:
                    "bytes_sent": self.client.sent, "bytes_payload": self.client.payload,
                    "bytes_received": self.client.received, "rounds": list(self.rounds), "retries": self.client.retries,
                    "steps_with_an_answer_owed": self.deferred_steps, "caught_up": self.caught_up,
+                   "loop_seconds": round(loop, 3), "seconds_waiting": round(self.waited, 3),
                    "wall_seconds": round(time.time() - t0, 3)}
         atomic_write_json(self.root / "summary.json", summary)
         return summary
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="diloco learner", description="One independent learner of a run "
-                                 "(replica m), exchanging with `diloco syncer` over gRPC (docs/distributed.md).")
-    ap.add_argument("--config", required=True, help="the run config (replicas = number of learners)")
-    ap.add_argument("--sync", required=True, help="grpc://HOST:PORT of the synchronizer")
-    ap.add_argument("--learner", type=int, required=True, help="this learner's index m (0 … replicas-1)")
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--token_file", default=None, help=f"the shared token (default ${common.TOKEN_ENV})")
-    ap.add_argument("--sleep", type=float, default=0.0, help="seconds slept per step (a straggler, for tests)")
-    ap.add_argument("--tls_ca", default=None, help="PEM certificate(s) to trust: talk TLS to a synchronizer "
-                    "started with --tls_cert")
-    ap.add_argument("--retry_for", type=float, default=600.0,
-                    help="seconds a call is retried while the synchronizer is unreachable (default 600)")
-    args, overrides = ap.parse_known_args(argv)
-    from diloco.checkpoint import CheckpointError
-    from diloco.config import load_config
+def add_flags(ap: argparse.ArgumentParser) -> None:
+    """`diloco train`'s flags of an independent learner (used with --config.sync=grpc://HOST:PORT)."""
+    g = ap.add_argument_group("an independent learner (with --config.sync=grpc://HOST:PORT; docs/distributed.md §11)")
+    g.add_argument("--token_file", default=None, help=f"the shared token (default ${common.TOKEN_ENV})")
+    g.add_argument("--tls_ca", default=None, help="PEM certificate(s) to trust: talk TLS to a synchronizer "
+                   "started with --tls_cert")
+    g.add_argument("--tls_cert", default=None, help="this learner's PEM certificate, for a synchronizer that "
+                   "requires client certificates (its --tls_ca); with --tls_key")
+    g.add_argument("--tls_key", default=None, help="PEM private key of --tls_cert")
+    g.add_argument("--retry_for", type=float, default=600.0,
+                   help="seconds a call is retried while the synchronizer is unreachable (default 600)")
+    g.add_argument("--sleep", type=float, default=0.0, help="seconds slept per step (a straggler, for tests)")
 
-    try:
-        cfg = load_config(args.config, overrides)
-        ca = None if args.tls_ca is None else common.read_file(args.tls_ca, "tls_ca")
-        client = SyncClient(args.sync, common.read_token(args.token_file), args.learner, common.fingerprint(cfg),
-                            retry_for=args.retry_for, tls_ca=ca)
-        summary = Learner(cfg, args.learner, client, args.workdir, args.sleep).train()
-    except (ConfigError, CheckpointError) as e:
-        print(f"diloco learner: bad input: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary), flush=True)
-    return 0
+
+def run_learner(cfg, args: argparse.Namespace) -> dict:
+    """`diloco train --config.sync=grpc://HOST:PORT --learner m …`: learner m of the run, to its end."""
+    if not 0 <= cfg.learner < cfg.replicas:
+        raise ConfigError("learner", f"{cfg.learner}: --config.sync={cfg.sync} makes this process one independent "
+                                     f"learner; give its index, --config.learner=m (0 … replicas-1 = {cfg.replicas - 1})")
+    ca = None if args.tls_ca is None else common.read_file(args.tls_ca, "tls_ca")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("tls_cert", "give both --tls_cert and --tls_key (PEM files), or neither")
+    if args.tls_cert is not None and ca is None:
+        raise ConfigError("tls_cert", "a client certificate is presented over TLS only: give --tls_ca too")
+    pair = None if args.tls_cert is None else (common.read_file(args.tls_key, "tls_key"),
+                                                common.read_file(args.tls_cert, "tls_cert"))
+    client = SyncClient(cfg.sync, common.read_token(args.token_file), cfg.learner, common.fingerprint(cfg),
+                        retry_for=args.retry_for, tls_ca=ca, tls_pair=pair)
+    return Learner(cfg, cfg.learner, client, args.workdir, args.sleep).train()

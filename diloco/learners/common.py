@@ -42,9 +42,13 @@ def learner_config(cfg):
 
 
 def fingerprint(cfg) -> str:
-    """sha256 of the run config (every key): learners and the synchronizer must hold the same one."""
+    """sha256 of the run config (every key but `sync` and `learner`: the address a learner reaches the synchronizer
+    by, and who it is): learners and the synchronizer must hold the same one."""
     from diloco.config import to_json
 
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.sync, cfg.learner = "", -1
     return hashlib.sha256(to_json(cfg).encode()).hexdigest()
 
 

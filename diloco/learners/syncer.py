@@ -69,8 +69,9 @@ class Synchronizer:
         import jax
 
         from diloco.checkpoint import Checkpointer
-        from diloco.rundir import path
+        from diloco.rundir import RunDir, path
 
+        RunDir(workdir).make()  # its lock, held for the process's life: a second synchronizer here is refused
         ck = Checkpointer(path(workdir) / "ckpt", keep=2)
         got = ck.restore(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                                 {"outer": self.outer, "residual": self.residual}))
@@ -237,9 +238,10 @@ class Synchronizer:
 
 
 def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int = 0, workers: int = 32,
-          tls: tuple[bytes, bytes] | None = None):
+          tls: tuple[bytes, bytes] | None = None, client_ca: bytes | None = None):
     """Start the gRPC service; returns (server, bound port). Every method checks the token first: the shared
-    secret `token` or a learner's own (proto.learner_token). `tls`: (key, certificate) PEM bytes."""
+    secret `token` or a learner's own (proto.learner_token). `tls`: (key, certificate) PEM bytes; `client_ca`:
+    PEM certificate(s) a learner's client certificate must be signed by (mutual TLS; refused without one)."""
     import grpc
 
     def handler(fn):
@@ -267,7 +269,8 @@ def serve(syncer: Synchronizer, token: str, host: str = "127.0.0.1", port: int =
         "Push": handler(syncer.push), "Join": handler(syncer.join),
         "Stats": handler(lambda body, who: json.dumps(syncer.stats()).encode())}),))
     bound = (server.add_insecure_port(f"{host}:{port}") if tls is None else
-             server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([tls])))
+             server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials(
+                 [tls], root_certificates=client_ca, require_client_auth=client_ca is not None)))
     if not bound:
         raise ConfigError("port", f"cannot bind {host}:{port} (in use?)")
     server.start()
@@ -293,6 +296,8 @@ def main(argv: list[str]) -> int:
                          "quantized with the run's codec, the remainder carried to the next round (error feedback)")
     ap.add_argument("--tls_cert", default=None, help="PEM certificate: serve over TLS (learners: --tls_ca)")
     ap.add_argument("--tls_key", default=None, help="PEM private key of --tls_cert")
+    ap.add_argument("--tls_ca", default=None, help="PEM CA certificate(s): require every learner to present a "
+                    "client certificate signed by it (mutual TLS; learners: --tls_cert/--tls_key)")
     ap.add_argument("--insecure", action="store_true", help="allow plain gRPC off loopback")
     ap.add_argument("--workdir", default=None, help="checkpoint every merge into WORKDIR/ckpt and resume from "
                     "it when started again (default: none, the state dies with the process)")
@@ -310,7 +315,10 @@ def main(argv: list[str]) -> int:
         syncer = Synchronizer(load_config(args.config, overrides), args.quorum, args.grace, args.workdir,
                               args.answer)
         tls = common.read_tls(args.tls_cert, args.tls_key, args.host, args.insecure)
-        server, port = serve(syncer, token, args.host, args.port, tls=tls)
+        if args.tls_ca and tls is None:
+            raise ConfigError("tls_ca", "client certificates are checked over TLS only: give --tls_cert/--tls_key too")
+        ca = None if args.tls_ca is None else common.read_file(args.tls_ca, "tls_ca")
+        server, port = serve(syncer, token, args.host, args.port, tls=tls, client_ca=ca)
     except (ConfigError, ValueError, CheckpointError) as e:
         print(f"diloco syncer: bad input: {e}", file=sys.stderr)
         return 2
