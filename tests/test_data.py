@@ -208,40 +208,22 @@ def test_byte_vocab_size_and_special_ids_need_no_tensorflow():
     assert get_vocabulary("byte").encode("hé") == real.encode("hé")  # everything else is seqio's
 
 
-def _write(path: Path, data: bytes) -> str:
-    path.write_bytes(data)
-    return str(path)
-
-
-@pytest.mark.parametrize("case", ["missing path", "empty glob", "empty file", "no text field", "not utf-8", "unknown spec",
-                                  "unknown vocab", "missing sp model", "bad seq_len", "c4 not prepared"])
-def test_bad_inputs_name_their_field(case, tmp_path):
-    data, vocab, data_dir, seq_len, field = "stdlib", "byte", None, 64, "data"
-    if case == "missing path":
-        data = f"jsonl:{tmp_path}/nope.jsonl"
-    elif case == "empty glob":
-        data = f"text:{tmp_path}/*.txt"
-    elif case == "empty file":
-        data = "jsonl:" + _write(tmp_path / "e.jsonl", b"")
-    elif case == "no text field":
-        data = "jsonl:" + _write(tmp_path / "t.jsonl", b'{"content": "hi"}\n')
-    elif case == "not utf-8":
-        data = "text:" + _write(tmp_path / "a.txt", b"caf\xe9 latin-1\n")
-    elif case == "unknown spec":
-        data = "wikipedia"
-    elif case == "unknown vocab":
-        vocab, field = "bpe", "vocab"
-    elif case == "missing sp model":
-        vocab, field = f"sentencepiece:{tmp_path}/sp.model", "vocab"
-    elif case == "bad seq_len":
-        seq_len, field = 0, "seq_len"
-    elif case == "c4 not prepared":
-        data, data_dir, field = "c4", str(tmp_path), "data_dir"
+@pytest.mark.parametrize("data, vocab, seq_len, field", [  # {t}: tmp_path, holding e.jsonl, t.jsonl, u/a.txt
+    ("jsonl:{t}/nope.jsonl", "byte", 64, "data"), ("text:{t}/*.txt", "byte", 64, "data"),  # missing, empty glob
+    ("jsonl:{t}/e.jsonl", "byte", 64, "data"), ("jsonl:{t}/t.jsonl", "byte", 64, "data"),  # empty, no text field
+    ("text:{t}/u/a.txt", "byte", 64, "data"), ("wikipedia", "byte", 64, "data"),  # not UTF-8, unknown spec
+    ("stdlib", "bpe", 64, "vocab"), ("stdlib", "sentencepiece:{t}/sp.model", 64, "vocab"),
+    ("stdlib", "byte", 0, "seq_len"), ("c4", "byte", 64, "data_dir"),  # c4 not prepared under tmp_path
+])
+def test_bad_inputs_name_their_field(data, vocab, seq_len, field, tmp_path):
+    for name, body in {"e.jsonl": b"", "t.jsonl": b'{"content": "hi"}\n', "u/a.txt": b"caf\xe9 latin-1\n"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(body)
+    data, vocab, data_dir = data.format(t=tmp_path), vocab.format(t=tmp_path), str(tmp_path) if data == "c4" else None
     with pytest.raises(ConfigError) as e:
         validate_data(data, vocab, data_dir, seq_len)
     assert e.value.field == field
-    if case == "c4 not prepared":
-        assert "tfds build c4/en" in str(e.value)
+    assert data != "c4" or "tfds build c4/en" in str(e.value)
     with pytest.raises(ConfigError):
         TokenBatches(data, vocab, seq_len, 2, data_dir=data_dir)
 
