@@ -12,14 +12,9 @@ from diloco.eval.runs import load_run
 from diloco.trainer import Trainer
 
 
-def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(tmp_path, monkeypatch):
-    seen_global, seen_replica = [], []
-    real_next, real_fn = StoreBatches.__next__, Trainer.inner_step
-
-    def rec_next(self):
-        b = real_next(self)
-        seen_global.append(np.array(b))  # one process: its rows are the whole global batch
-        return b
+def record_inner_batches(monkeypatch) -> list:
+    """The (R, B, L) tokens of every jitted inner step train() runs, in order."""
+    seen, real_fn = [], Trainer.inner_step
 
     def rec_fn(self, active=None, jitted=True):
         f = real_fn(self, active, jitted)
@@ -27,12 +22,24 @@ def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(t
             return f
 
         def g(state, tokens, *rest):
-            seen_replica.append(np.array(tokens))
+            seen.append(np.array(tokens))
             return f(state, tokens, *rest)
         return g
 
-    monkeypatch.setattr(StoreBatches, "__next__", rec_next)
     monkeypatch.setattr(Trainer, "inner_step", rec_fn)
+    return seen
+
+
+def test_replicas_get_different_rows_that_together_cover_the_global_batch_once(tmp_path, monkeypatch):
+    seen_global, real_next = [], StoreBatches.__next__
+
+    def rec_next(self):
+        b = real_next(self)
+        seen_global.append(np.array(b))  # one process: its rows are the whole global batch
+        return b
+
+    monkeypatch.setattr(StoreBatches, "__next__", rec_next)
+    seen_replica = record_inner_batches(monkeypatch)
     cfg = tiny_config("diloco", replicas=2, batch_size=4, steps=4, H=2, eval_every=4, checkpoint_every=4)
     train(cfg, tmp_path / "run", progress=False)
     assert len(seen_replica) == 4 and len(seen_global) >= 4
@@ -87,20 +94,7 @@ def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_
 
     a = gcs.url("stores", "run")
     store.tokenize(make_text_corpus(tmp_path / "ca", n_train=4, size=20_000), "byte", a, workers=1, progress=False)
-    seen = []
-    real_fn = Trainer.inner_step
-
-    def rec_fn(self, active=None, jitted=True):
-        f = real_fn(self, active, jitted)
-        if not jitted:
-            return f
-
-        def g(state, tokens, *rest):
-            seen.append(np.array(tokens))
-            return f(state, tokens, *rest)
-        return g
-
-    monkeypatch.setattr(Trainer, "inner_step", rec_fn)
+    seen = record_inner_batches(monkeypatch)
     cfg = tiny_config("diloco", replicas=2, batch_size=4, steps=4, H=2, log_every=1, eval_every=4,
                       checkpoint_every=2, data=f"tokens:{a}")
     train(cfg, tmp_path / "run", progress=False)
