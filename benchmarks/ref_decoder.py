@@ -33,7 +33,7 @@ def forward(params, tokens, heads: int, rope_base: float = 10_000.0):
     for i in range(sum(k.startswith("block_") for k in params)):
         p = params[f"block_{i}"]
         h = _norm(x, p["attn_norm"]["scale"])
-        q, k, v = jnp.split((h @ p["qkv"]["kernel"]).reshape(B, L, 3 * heads, K), 3, axis=2)
+        q, k, v = jnp.split((h @ p["qkv"]["kernel"].reshape(D, 3 * D)).reshape(B, L, 3 * heads, K), 3, axis=2)
         q, k = rope(_norm(q, p["q_norm"]["scale"])), rope(_norm(k, p["k_norm"]["scale"]))
         s = jnp.einsum("blhk,bmhk->bhlm", q, k) * K**-0.5
         a = jax.nn.softmax(jnp.where(causal, s, jnp.finfo(jnp.float32).min), axis=-1)

@@ -189,7 +189,7 @@ def test_every_parameter_has_one_logical_name_per_dimension(scan):
     is_names = lambda t: isinstance(t, tuple)
     assert jax.tree_util.tree_structure(names, is_leaf=is_names) == jax.tree_util.tree_structure(shapes)
     pairs = zip(jax.tree_util.tree_leaves(names, is_leaf=is_names), jax.tree_util.tree_leaves(shapes))
-    assert all(len(n) == s.ndim and all(isinstance(a, str) for a in n) for n, s in pairs)
+    assert all(len(n) == s.ndim and all(isinstance(a, str) or a is None for a in n) for n, s in pairs)
     assert names["embed"]["embedding"] == ("vocab", "embed")
     blk = names["blocks"] if scan else names["block_0"]
     lead = ("layers",) if scan else ()

@@ -53,11 +53,10 @@ def test_tensor_rules_follow_the_users_and_name_tensor_only_when_it_splits():
     assert with_tensor_rules(base, 1) == base  # tensor 1: the programs of today
     rules = with_tensor_rules(base, 2)
     # Megatron: qkv and mlp_in column-split, attn_out and mlp_out row-split, the embedding over its rows
-    assert logical_spec(("embed", "qkv"), rules) == ("fsdp", "tensor")
+    assert logical_spec(("embed", None, "qkv"), rules) == ("fsdp", None, "tensor")  # whole heads of q, k and v
     assert logical_spec(("embed", "mlp"), rules) == ("fsdp", "tensor")
-    assert logical_spec(("heads", "embed"), rules) == ("tensor", "fsdp")
-    assert logical_spec(("mlp", "embed"), rules) == ("tensor", "fsdp")
-    assert logical_spec(("vocab", "embed"), rules) == ("tensor", "fsdp")
+    assert (logical_spec(("heads", "embed"), rules) == logical_spec(("mlp", "embed"), rules)
+            == logical_spec(("vocab", "embed"), rules) == ("tensor", "fsdp"))
     assert logical_spec(("batch", "length", "embed"), rules) == (("data", "fsdp"), None, None)
     mine = mesh_rules(tiny_config("streaming", **{"mesh.rules": "batch=data+fsdp,mlp=,embed=fsdp"}))
     assert logical_spec(("embed", "mlp"), with_tensor_rules(mine, 2)) == ("fsdp", None)  # the user's rule wins

@@ -4,7 +4,8 @@ validation of a scale name stay light."""
 from diloco.model.scales import SCALES, Scale, formula_params
 from diloco.model.sizes import param_count
 
-_MODEL_NAMES = ("ATTENTION", "REMAT_POLICIES", "ModelConfig", "Transformer", "loss_fn", "param_logical_axes")
+_MODEL_NAMES = ("ATTENTION", "REMAT_POLICIES", "ModelConfig", "Transformer", "loss_fn", "is_qkv_kernel",
+                "matrix_view", "param_logical_axes")
 
 
 def __getattr__(name: str):
@@ -16,4 +17,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["SCALES", "Scale", "ModelConfig", "Transformer", "loss_fn", "param_count", "formula_params",
-           "param_logical_axes", "ATTENTION", "REMAT_POLICIES"]
+           "is_qkv_kernel", "matrix_view", "param_logical_axes", "ATTENTION", "REMAT_POLICIES"]

@@ -8,7 +8,7 @@ context (`nn.logical_axis_rules`). `Transformer.init` returns plain arrays; `par
 gives the names, with the same tree structure.
 
 Logical axes: "vocab", "embed" (d_model), "mlp" (F), "heads" (H·K, heads-major: the input dim of
-attn_out), "qkv" (3·H·K fused q/k/v output of the qkv projection, q/k/v-major), "head_dim" (K, the
+attn_out), "qkv" (H·K of each of q, k and v in the D×3×(H·K) qkv kernel, heads-major), "head_dim" (K, the
 QK-norm scales), "layers" (the nn.scan axis). Activations: "batch", "length", "embed", "heads",
 "head_dim", "mlp", "vocab".
 """
@@ -113,6 +113,27 @@ def _dense(features: int, dtype, name: str, fan_in: int, axes: tuple[str, str]) 
     return nn.Dense(features, use_bias=False, dtype=dtype, kernel_init=init, name=name)
 
 
+class QKV(nn.Module):
+    """The fused q/k/v projection B×L×D → B×L×3×(H·K); kernel D×3×(H·K), drawn as a Dense(3D)'s D×3D matrix
+    and reshaped (the same bytes). When a rule splits "qkv" (tensor) the product keeps the 3 apart, so each chip
+    holds whole heads of q, k and v; otherwise it multiplies by the D×3D view, as Dense did (XLA sums that
+    kernel's gradient in another order for the D×3×(H·K) product, so numbers would move by an ulp)."""
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, h_BxLxD):
+        D = h_BxLxD.shape[-1]
+        normal = nn.initializers.normal(stddev=D**-0.5)
+        init = nn.with_logical_partitioning(lambda key, shape, dtype: normal(key, (D, 3 * D), dtype).reshape(shape),
+                                            ("embed", None, "qkv"))
+        w_Dx3xD = self.param("kernel", init, (D, 3, D), jnp.float32).astype(self.dtype)
+        h_BxLxD = h_BxLxD.astype(self.dtype)
+        if nn.logical_to_mesh_axes(("qkv",))[0] is not None:
+            return jax.lax.dot_general(h_BxLxD, w_Dx3xD, (((2,), (0,)), ((), ())))
+        out = jax.lax.dot_general(h_BxLxD, w_Dx3xD.reshape(D, 3 * D), (((2,), (0,)), ((), ())))
+        return out.reshape(out.shape[:2] + (3, D))
+
+
 def target_platform(cfg: ModelConfig) -> str:
     return cfg.platform or jax.default_backend()
 
@@ -166,8 +187,9 @@ class Block(nn.Module):
         B, L, D = x_BxLxD.shape
         H, K = cfg.heads, cfg.d_model // cfg.heads
         h = RMSNorm(name="attn_norm")(x_BxLxD)
-        qkv = _dense(3 * D, dt, "qkv", D, ("embed", "qkv"))(h).reshape(B, L, 3 * H, K)
-        q, k, v = jnp.split(qkv, 3, axis=2)  # backward: one concatenate (indexing would pad each and add)
+        qkv_BxLx3xHxK = QKV(dt, name="qkv")(h).reshape(B, L, 3, H, K)
+        # backward: one concatenate (indexing would pad each and add)
+        q, k, v = (t.reshape(B, L, H, K) for t in jnp.split(qkv_BxLx3xHxK, 3, axis=2))
         q, k = RMSNorm(name="q_norm", axis="head_dim")(q), RMSNorm(name="k_norm", axis="head_dim")(k)  # QK-norm
         q, k = apply_rope(q, sin_Lx1xK2, cos_Lx1xK2), apply_rope(k, sin_Lx1xK2, cos_Lx1xK2)
         q, k, v = (_constrain(t, ("batch", "length", "heads", "head_dim")) for t in (q, k, v))
@@ -236,6 +258,18 @@ def param_logical_axes(cfg: ModelConfig) -> Any:
                                                   jnp.zeros((1, 8), jnp.int32))["params"])
     return jax.tree_util.tree_map(lambda b: tuple(b.names), boxed,
                                   is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+
+
+def is_qkv_kernel(path) -> bool:
+    """Whether a tree path (of the parameters or a tree shaped like them) ends at the qkv kernel."""
+    return [str(getattr(k, "key", k)) for k in path][-2:] == ["qkv", "kernel"]
+
+
+def matrix_view(path, x):
+    """A parameter (or a leaf of a tree shaped like them) as the matrix the math sees: the qkv kernel D×3×(H·K)
+    as the D×3D it was (leading axes kept), every other leaf as is. The inner clip's global norm sums each leaf
+    in this view: XLA:CPU sums a rank-3 array in another order, which would move the numbers by an ulp."""
+    return x.reshape(x.shape[:-2] + (-1,)) if is_qkv_kernel(path) and x.ndim >= 3 else x
 
 
 def loss_fn(logits_BxLxV: jax.Array, tokens_BxL: jax.Array, z_loss: float = 1e-4):

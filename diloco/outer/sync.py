@@ -65,8 +65,12 @@ def muon_matrices(tree):
     optax.contrib.muon gives them to its Adam."""
     from optax.contrib import MuonDimensionNumbers
 
+    from diloco.model import is_qkv_kernel
+
     def one(path, x):
         embed = any(getattr(k, "key", None) == "embed" for k in path)
+        if is_qkv_kernel(path) and x.ndim >= 3:  # the qkv kernel D×3×(H·K): one D×3D matrix
+            return MuonDimensionNumbers(x.ndim - 3, (x.ndim - 2, x.ndim - 1))
         return MuonDimensionNumbers(x.ndim - 2, x.ndim - 1) if x.ndim >= 2 and not embed else None
     return jax.tree_util.tree_map_with_path(one, tree)
 
