@@ -8,13 +8,7 @@ Pure functions with static shapes: they work under jax.jit and jax.vmap (leading
 `FORMATS` is the registry: one `Format` record per name (encode, decode, bytes, the unit a replica's
 chips may split a fragment by, the family reports label runs by, whether it draws random numbers);
 everything else (OuterSync, methods.classify, `diloco bytes`, the tests) asks it. A new format is one
-entry (docs/extending.md). Formats (docs/codecs.md has the byte layouts):
-
-  none      {"values": float32 (n,)}                                   4 bytes/elem
-  bf16      {"values": bfloat16 (n,)}                                  2 bytes/elem, no scale
-  fp8_e4m3  {"values": float8_e4m3fn (n,), "scales": float32 (nb,)}   per-block: scale = absmax/448
-  fp8_e5m2  {"values": float8_e5m2 (n,),   "scales": float32 (nb,)}   per-block: scale = absmax/57344
-  e3m0      {"codes": uint8 (ceil(n/2),),  "scales": float32 (nb,)}   4-bit, two codes per byte
+entry (docs/extending.md); docs/codecs.md has every format's payload and byte layout.
 
 E3M0 (1 sign, 3 exponent, 0 mantissa bits): per block of `block_size` elements the scale s is the
 block's absmax (float32). Exponent code e ∈ 0..7 means magnitude 0 (e = 0) or s·2^(e-7) (e = 1..7),
@@ -133,8 +127,8 @@ def split_unit(codec: Codec) -> int:
 
 
 def family(name: str) -> str:
-    """The family of a codec name ("fp32", "bf16", "fp8", "fp4", "sparse"); a name not in the registry
-    (a record written by other code) is its own family."""
+    """The family (one of FAMILIES) of a codec name; a name not in the registry (a record written by other
+    code) is its own family."""
     return FORMATS[name].family if name in FORMATS else str(name)
 
 
