@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Throttled links between replica processes on one machine (root; Debian's iproute2).
 #
-#   scripts/netns.sh up M RATE [DELAY]   # e.g. up 2 100mbit 1ms
-#   scripts/netns.sh shape M RATE [DELAY] # change rate/delay of existing links
+#   scripts/netns.sh up M RATE [DELAY] [LOSS]   # e.g. up 2 100mbit 1ms; up 5 10mbit 100ms 1%
+#   scripts/netns.sh shape M RATE [DELAY] [LOSS] # change rate/delay/loss of existing links
 #   scripts/netns.sh down M
 #   scripts/netns.sh status M
 #
@@ -10,17 +10,19 @@
 # `eth0` = 10.77.0.$((i+1))/24, a veth pair whose other end `dlv$i` sits on bridge `dlbr0` in the
 # root namespace. Every replica's egress (eth0 inside its namespace) is shaped by a token
 # bucket (tbf) at RATE (integer with kbit|mbit|gbit) whose burst is 5 ms of RATE (at least 4 KiB,
-# so that a payload cannot pass at line rate on saved-up tokens), with a netem child adding a one-way DELAY
-# when DELAY is not 0ms (needs the sch_netem kernel module; the script says so if it is missing). A transfer between two
+# so that a payload cannot pass at line rate on saved-up tokens), with a netem child adding a one-way DELAY and
+# dropping LOSS of the packets when either is not 0 (needs the sch_netem kernel module; the script says so if it is
+# missing, and the links keep their rate). A transfer between two
 # replicas therefore crosses exactly one shaped hop per direction, like one datacenter uplink.
 # Run a command in replica i's namespace with `ip netns exec dlrep$i CMD`; `diloco launch
 # --netns` does that for you (process i → dlrep$i, coordinator on 10.77.0.1).
 set -euo pipefail
 
-cmd=${1:?usage: $0 up|shape|down|status M [RATE] [DELAY]}
+cmd=${1:?usage: $0 up|shape|down|status M [RATE] [DELAY] [LOSS]}
 M=${2:?number of replicas M}
 RATE=${3:-1gbit}
 DELAY=${4:-0ms}
+LOSS=${5:-0%}
 # Names can be changed (tests use their own, so they never touch a running measurement):
 PFX=${DILOCO_NETNS_PREFIX:-dlrep}
 BR=${DILOCO_NETNS_BRIDGE:-dlbr0}
@@ -39,14 +41,14 @@ burst_bytes() {  # 5 ms at RATE (integer kbit|mbit|gbit), at least 4 KiB: a tran
   echo $((b < 4096 ? 4096 : b))
 }
 
-shape() {  # shape NS RATE DELAY
+shape() {  # shape NS RATE DELAY LOSS
   local ns=$1 burst
   burst=$(burst_bytes "$2")
   ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
   ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: tbf rate "$2" burst "$burst" latency 1s
-  if [ "$3" != 0ms ] && [ "$3" != 0 ]; then
-    ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: netem delay "$3" limit 100000 || {
-      echo "netns.sh: netem (sch_netem) unavailable in this kernel: $ns has rate $2 but no added delay" >&2; }
+  if { [ "$3" != 0ms ] && [ "$3" != 0 ]; } || { [ "$4" != 0% ] && [ "$4" != 0 ]; }; then
+    ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: netem delay "$3" loss "$4" limit 100000 || {
+      echo "netns.sh: netem (sch_netem) unavailable in this kernel: $ns has rate $2 but no added delay or loss" >&2; }
   fi
 }
 
@@ -66,9 +68,9 @@ up() {
       ip netns exec "$ns" ip link set eth0 up
       ip netns exec "$ns" ip link set lo up
     fi
-    shape "$ns" "$RATE" "$DELAY"
+    shape "$ns" "$RATE" "$DELAY" "$LOSS"
   done
-  echo "netns.sh: $M replicas ${PFX}0..$PFX$((M - 1)) on $NET.1..$M, egress $RATE, delay $DELAY"
+  echo "netns.sh: $M replicas ${PFX}0..$PFX$((M - 1)) on $NET.1..$M, egress $RATE, delay $DELAY, loss $LOSS"
 }
 
 down() {
@@ -90,7 +92,7 @@ status() {
 
 case $cmd in
   up) up ;;
-  shape) need_root; for ((i = 0; i < M; i++)); do shape "$PFX$i" "$RATE" "$DELAY"; done ;;
+  shape) need_root; for ((i = 0; i < M; i++)); do shape "$PFX$i" "$RATE" "$DELAY" "$LOSS"; done ;;
   down) down ;;
   status) status ;;
   *) echo "netns.sh: unknown command $cmd (up|shape|down|status)" >&2; exit 2 ;;

@@ -1,7 +1,6 @@
 """Chaos runs of independent learners on one machine: `diloco syncer` and M learner processes (`diloco train
---config.sync=grpc://…`) on
-loopback gRPC, real SIGKILLs, a straggler slowed by a sleep per step (tests/test_learners_grpc.py, and
-`python -m diloco.learners.chaos --out results/learners`, which writes the table docs/distributed.md shows).
+--config.sync=grpc://…`) on loopback gRPC, real SIGKILLs, a straggler slowed by a sleep per step, throttled links
+(tests/test_learners_grpc.py, and `python -m diloco.learners.chaos --out results/learners`: results/learners/chaos.md).
 
 A scenario is a set of faults on one run config:
 
@@ -10,17 +9,22 @@ A scenario is a set of faults on one run config:
   straggle  learner M−1 sleeps 3× as long per step as the others
   syncer    SIGKILL the synchronizer once learner 0 has logged `at` steps of the run's second half; started
             again at once on its workdir (it resumes from its checkpoint)
+  throttle  the synchronizer in namespace 0 of scripts/netns.sh, learner m in m+1, every egress LINK (10 mbit;
+            100 ms and 1 % loss where netem exists); no fault
 
 Goodput = the tokens of every contribution merged (the synchronizer's counter) / (train seconds × learners),
 train seconds from the first step any learner finished to the last (the processes' start-up and first compiles
-left out: the same in every run, and most of a toy run's wall; a restarted learner's are in). The eval loss is of learner 0's final θᵍ. The table's runs:
-quorum = all, --grace 2 s; 4 learners, 48 steps, E3M0, H = 4, 3 fragments, τ = 1, 0.2 s of sleep per step.
+left out: the same in every run, and most of a toy run's wall; a restarted learner's are in). Compute utilisation
+(CU) = 1 − the seconds the learners' loops waited for answers / their loops' seconds: the transfer not hidden by the
+overlap. The eval loss is of learner 0's final θᵍ. The table's runs: quorum = all, --grace 2 s; 4 learners, 48
+steps, E3M0, H = 4, 3 fragments, τ = 1, 0.2 s of sleep per step.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +42,15 @@ LINK = ("10mbit", "100ms", "1%")  # rate, one-way delay, loss of every namespace
 def netns_sh(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", os.fspath(REPO / "scripts" / "netns.sh"), *args], env={**os.environ, **NETNS},
                           capture_output=True, text=True)
+
+
+def netns_unusable() -> str | None:
+    """Why the throttled runs cannot run on this machine, or None."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        return "throttled links need root and iproute2 (ip netns, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "dlchaosprobe"], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", "dlchaosprobe"], capture_output=True)
+    return f"ip netns add failed: {probe.stderr.strip()}" if probe.returncode else None
 
 
 def throttle(n: int) -> str:
@@ -189,7 +202,7 @@ def table(results: list[dict]) -> str:
     base = [r["goodput_tokens_per_s_per_learner"] for r in results if r["faults"] == "none" and r["answer"] == "fp32"]
     band = [r["eval_loss"] for r in results if r["faults"] == "none" and r["answer"] == "fp32"]
     lines = ["# Independent learners under faults (diloco/learners/chaos.py)", "",
-             "`python -m diloco.learners.chaos --out results/learners --runs /tmp/learners_chaos` (2 CPU cores, shared; "
+             "`python -m diloco.learners.chaos --out results/learners --runs /tmp/learners_chaos --seeds 3` (2 CPU cores, shared; "
              "4 learner processes + the synchronizer; quorum = all, grace 2 s; tiny scale, 48 steps, E3M0, H = 4, "
              "3 fragments, τ = 1, 0.2 s sleep per step, the straggler 0.6 s). B/round: bytes per push and per answer "
              "of one learner, frames with headers; the SPMD path counts the push's codec bytes per replica. "
@@ -210,8 +223,10 @@ def table(results: list[dict]) -> str:
                      f"{'yes' if once else 'NO'} ({sum(st['merges'].values())}) | "
                      f"{sum(int(v) for v in st['dropped_late'].values())} | {sum(s['retries'] for s in ss)} | "
                      f"{sum(s['bytes_sent'] for s in ss) / sends:.0f} | {sum(s['bytes_received'] for s in ss) / sends:.0f} |")
-    lines.append(f"\nNo-fault eval loss band (seeds 0 … {len(band) - 1}): {min(band):.4f} … {max(band):.4f}. CU: compute "
-                 "utilisation, 1 − (seconds the learners' loops waited for an answer) / (their loops' seconds).")
+    lines.append(f"\nNo-fault eval loss band (seeds 0 … {len(band) - 1}): {min(band):.4f} … {max(band):.4f}; a run of "
+                 f"seed 0 is within it when |its loss − no-fault seed 0's| ≤ max − min = {max(band) - min(band):.4f}. "
+                 "CU: compute utilisation, 1 − (seconds the learners' loops waited for an answer) / (their loops' "
+                 "seconds). Tokens merged count a restarted learner's steps done again.")
     links = {r["link"] for r in results if r.get("link", "loopback") != "loopback"}
     lines += [f"throttle: the synchronizer and each learner in a network namespace of its own (scripts/netns.sh), "
               f"every egress {link}." for link in sorted(links)]
