@@ -160,14 +160,14 @@ class Learner:
         from diloco.checkpoint import Checkpointer
         from diloco.data import prepare
         from diloco.data.reader import StoreBatches
-        from diloco.rundir import path
+        from diloco.rundir import RunDir, path
         from diloco.trainer import Trainer
 
         if not 0 <= m < cfg.replicas:
             raise ConfigError("learner", f"{m} must be in 0 … replicas-1 = {cfg.replicas - 1}")
         self.cfg, self.m, self.client, self.sleep = cfg, m, client, sleep
         self.root = path(workdir)
-        self.root.mkdir(parents=True, exist_ok=True)
+        RunDir(self.root).make()  # the folder and its lock, as a run's: a second learner on it is refused
         self.tr = tr = Trainer(common.learner_config(cfg), devices=jax.devices()[:1])
         self.sync, self.schedule, self.b = tr.sync, tr.schedule, tr.cfg.batch_size
         self.data = StoreBatches(prepare.store_for(cfg.data, cfg.vocab, cfg.data_dir or None), cfg.seq_len,
