@@ -293,16 +293,7 @@ def test_bad_config(kwargs, field):
         assert "valid" in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["e3m0", "fp8_e4m3", "bf16"])
-def test_stochastic_needs_key(name):
-    with pytest.raises(ConfigError, match="key"):
-        jax.eval_shape(lambda x: C.encode(C.make_codec(name, rounding="stochastic"), x), jnp.ones(8))
-    jax.eval_shape(lambda x: C.encode(C.make_codec(name), x), jnp.ones(8))  # nearest: no key needed
-
-
-def test_random_sparsifiers_need_key_and_flat_input():
-    with pytest.raises(ConfigError, match="key"):
-        C.encode(C.make_codec("dare", keep_fraction=0.5), jnp.ones(8))
+def test_encode_takes_a_flat_vector():  # a key exactly when a format draws: test_every_format_keeps_…
     with pytest.raises(ConfigError, match="1-D"):
         C.encode(C.make_codec("e3m0"), jnp.ones((2, 4)))
 
