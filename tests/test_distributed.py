@@ -75,9 +75,8 @@ def max_rel_diff(a: list[dict], b: list[dict], keys=("train_loss", "eval_loss"))
 
 # What docs/distributed.md §1 states. Two processes vs one: the losses differ in the last bits only, at most 8
 # float32 rounding steps (2⁻²⁰ ≈ 9.5e-7 relative) after the 8 steps of TINY. Measured at #30 on the store order:
-# 6.9e-7 for Streaming (with and without the comm device), 2.5e-7 for DP (`pytest -m slow -s` prints it). The
-# size is the batches', not the code's: the code before #30 gives the same 6.9e-7 reading data=tokens:stdlib
-# and 1.2e-7 reading its per-host shard order (the old bound, one rounding step 2⁻²³, was that order's).
+# 6.9e-7 for Streaming (with and without the comm device), 2.5e-7 for DP (`pytest -m slow -s` prints it); the
+# size is the batches', not the code's (the code before #30 gives the same 6.9e-7 on the same batches).
 TWO_VS_ONE_REL = 2.0**-20
 FOUR_VS_ONE_REL = 1e-6
 
