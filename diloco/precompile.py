@@ -17,7 +17,6 @@ import sys
 import time
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -14,9 +14,7 @@ import numpy as np
 
 
 class Timeline:
-    """Per-process wall-clock events (inner steps, exchange start/end, apply waits).
-
-    Times are seconds on this process's perf_counter clock since `t0`. With a `path` the events go
+    """Times are seconds on this process's perf_counter clock since `t0`. With a `path` the events go
     to a JSONL file whose first line holds `t0_monotonic` (to put the ranks of one machine on one
     axis); without one they are kept in `rows`."""
 

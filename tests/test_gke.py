@@ -13,7 +13,6 @@ import yaml
 
 from conftest import REPO
 from diloco import distributed as dist, gke
-from diloco.errors import ConfigError
 
 TRAIN = ["python", "-m", "diloco.cli", "train", "--workdir", "gs://b/r/p"]
 

@@ -74,7 +74,6 @@ def test_cross_field_rules_refuse_or_warn(capsys):
         cfg.codec_keep_fraction = 0.5
     with pytest.raises(ConfigError, match="codec_keep_fraction: 0.5 applies to topk"):
         validate(cfg, check_data=False)
-    warned = []
     load_config("experiments/toy.py:streaming", ["--config.H=1000", "--config.steps=40"], check_data=False)
     load_config("experiments/toy.py:dp", ["--config.codec=e3m0", "--config.downstream.every=5"], check_data=False)
     err = capsys.readouterr().err
