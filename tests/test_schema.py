@@ -61,6 +61,7 @@ def test_random_values_of_every_key_give_a_valid_config_or_one_line(spec, ov):
     ("optimizer.min_lr_ratio", -1.0, r"in \[0, 1\]"), ("optimizer.warmup_steps", -10, "≥ 0"),
     ("model.z_loss", float("nan"), "not finite"), ("mesh.replica_axis", -1, "divisor of replicas"),
     ("downstream.every", -1, "≥ 0"), ("codec", "foo", "not one of"), ("seed", 1.5, "not an integer"),
+    ("method", "fedavg", "not one of dp, diloco, streaming"),
 ])
 def test_a_value_outside_its_declaration_is_one_line_naming_key_and_value(key, value, says):
     with pytest.raises(ConfigError, match=says) as e:
