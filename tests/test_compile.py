@@ -239,17 +239,18 @@ def test_committed_memory_rows_are_consistent():
     from pathlib import Path
 
     rows = _committed_rows()
-    assert len(rows) == len(C.PAPER_SCALES) * len(C.PAPER_METHODS) * len(C.SLICES)
+    assert len({C.row_id(r)[:3] for r in rows}) == len(C.PAPER_SCALES) * len(C.PAPER_METHODS) * len(C.SLICES)
     md = (Path(__file__).parent.parent / "results" / "pod" / "memory.md").read_text()
     for r in rows:
         peaks = C.parse_peaks(r["program_peaks_gib"])
-        assert set(peaks) <= set(r["programs"].split(", ")) and {"inner", "eval"} <= set(peaks), r
+        assert set(peaks) <= set(r["programs"].split(", ")) and ({"inner", "eval"} <= set(peaks) or r["fits"] == "False"), r
+        if r["peak_gib"] == "":  # a program ran out of HBM in the compile (the note names it): no peak to check
+            continue
         top = max(peaks, key=peaks.get)
         assert r["peak_program"] == top and float(r["peak_gib"]) == peaks[top], r
-        hbm = float(r["device_hbm_gib"])
-        assert float(r["headroom"]) == pytest.approx(1 - peaks[top] / hbm, abs=6e-4), r
+        assert float(r["headroom"]) == pytest.approx(1 - peaks[top] / (hbm := float(r["device_hbm_gib"])), abs=6e-4), r
         assert (r["fits"] == "True") == (peaks[top] <= (1 - C.TABLE_HEADROOM) * hbm and set(peaks) == set(r["programs"].split(", "))), r
-        cell = f"| {r['scale']} | {r['method']} | {r['topology']} |"
+        cell = f"| {r['scale']} | {r['method']} | {r['topology']} | {r['chips']} | {r['mesh']} |"
         line = next(x for x in md.splitlines() if x.startswith(cell))
         kind = C.compiled_kind(r)
         if kind == "inner+eval":
@@ -515,16 +516,18 @@ def _two_slice(method: str, tau: int, programs: set[str], **kw):
 
 
 @needs_libtpu
-def test_two_slice_exchange_has_the_step_under_it_with_splash_attention_and_scan():
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_two_slice_exchange_has_the_step_under_it_with_splash_attention_and_scan(tensor):
     """The same as the paper's scales run it: 128-token sequences (TPU's default attention is then the
     Pallas splash kernel), blocks under nn.scan (the forward and backward are two while loops) and the
     FP4 codec. The kernel's custom call (metadata with newlines in it) must not hide the rest of the
     schedule, and Δ must not be fused into the forward pass (driver.step_program's barrier; without
     it the payload waited for both loops and nothing was under the exchange): it is async and every
-    dot/convolution of the program outside the kernel is under it."""
-    rep = _two_slice("streaming", 1, {"step+send 0"}, codec="e3m0", seq_len=128, **{"model.scan": True})
+    dot/convolution of the program outside the kernel is under it, with tensor 2 too (its collectives in the step)."""
+    rep = _two_slice("streaming", 1, {"step+send 0"}, codec="e3m0", seq_len=128, **{"model.scan": True, "mesh.tensor": tensor})
     (prog,) = rep["programs"]
-    assert "tpu_custom_call" in prog["custom_calls"]
+    assert "tpu_custom_call" in prog["custom_calls"] and (tensor == 1 or any(
+        "tensor" in c["axes"] and not c["crosses_slices"] for c in prog["collectives"]))
     dcn = [c for c in prog["collectives"] if c["crosses_slices"]]
     assert dcn and all(c["async"] for c in dcn)
     under = max(c["overlapped_flops"] for c in dcn)

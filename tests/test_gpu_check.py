@@ -191,7 +191,7 @@ def test_remat_estimate_against_compiled_peaks_and_the_choice_it_makes():
         ratio = devmem.estimate_peak(cfg, policy, mesh, formula_params(scale, V), V) / (gib * devmem.GIB)
         assert 0.85 <= ratio <= 1.2, (scale, mesh, k, policy, ratio)
     names = {"DP": "dp", "DiLoCo": "diloco_h30", "Streaming": "streaming_ovl_fp4_h30"}
-    rows = list(csv.DictReader((ROOT / "results/gpu/memory.csv").open()))
+    rows = [r for r in csv.DictReader((ROOT / "results/gpu/memory.csv").open()) if "tensor" not in r["mesh"]]
     assert len(rows) == 24
     for row in rows:
         cfg = c4_scaling.get_config(f"{row['scale']},{names[row['method']]}")

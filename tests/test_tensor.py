@@ -41,8 +41,7 @@ def test_mesh_shapes_with_a_tensor_axis():
     assert mesh_shape(tiny_config("dp", batch_size=4, **{"mesh.tensor": 2}), 8) == (1, 4, 1, 2)
     with pytest.raises(ConfigError, match="per-replica batch 4 is not divisible by the 8 devices"):
         mesh_shape(tiny_config("dp", batch_size=4), 8)
-    assert mesh_dict((2, 4, 1, 1)) == {"replica": 2, "data": 4, "fsdp": 1}
-    assert mesh_dict((2, 2, 1, 2)) == {"replica": 2, "data": 2, "fsdp": 1, "tensor": 2}
+    assert mesh_dict((2, 4, 1, 1)) == {"replica": 2, "data": 4, "fsdp": 1} and mesh_dict((2, 2, 1, 2))["tensor"] == 2
 
 
 def test_tensor_rules_follow_the_users_and_name_tensor_only_when_it_splits():
@@ -85,8 +84,7 @@ def test_tensor_auto_is_the_smallest_that_fits():
         chip_bytes(cfg, 64, 1, "full")
     cfg.mesh.fsdp = 1
     n = formula_params("10B", 384)  # the byte vocabulary's 384 rows (this config's)
-    for t in (2, 4, 8):
-        assert chip_bytes(cfg, 64, t, "full") >= 28 * n / t
+    assert all(chip_bytes(cfg, 64, t, "full") >= 28 * n / t for t in (2, 4, 8))
     assert 28 * n / 2 > hbm >= chip_bytes(cfg, 64, 4, "full")
     assert tensor_size(cfg, 64, "tpu", hbm)[0] == 4
     assert tensor_size(cfg, 64, "tpu", 2**30)[1].startswith("auto: no tensor size fits")

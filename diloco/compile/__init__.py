@@ -36,7 +36,7 @@ from diloco.compile.overlap import (CHIP_PEAK_TFLOPS, TPU_OVERLAP_FLAGS, exchang
 from diloco.compile.paper_table import (COMPILED_BEFORE, CSV_FIELDS, compiled_kind, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES,
                                         TABLE_HEADROOM, TABLE_MFU, compile_row, compiled_with, device_hbm,
                                         devices_per_chip, estimate_bytes, paper_config, paper_table, paper_table_main,
-                                        parse_peaks, read_table, slice_devices, table_programs, table_row,
+                                        parse_peaks, read_table, row_id, slice_devices, table_programs, table_row,
                                         write_table)
 
 __all__ = [
@@ -58,6 +58,6 @@ __all__ = [
     # paper_table
     "COMPILED_BEFORE", "CSV_FIELDS", "compiled_kind", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM",
     "TABLE_MFU", "compile_row", "compiled_with", "device_hbm", "devices_per_chip", "estimate_bytes", "paper_config",
-    "paper_table", "paper_table_main", "parse_peaks", "read_table", "slice_devices", "table_programs", "table_row",
+    "paper_table", "paper_table_main", "parse_peaks", "read_table", "row_id", "slice_devices", "table_programs", "table_row",
     "write_table",
 ]

@@ -127,12 +127,14 @@ def slice_devices(topology: str) -> int:
 
 
 def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None = None, log=None,
-              cache: str | None = None) -> dict:
+              cache: str | None = None, tensor: int = 1, batch: int | None = None) -> dict:
     """Compile the run's programs (`table_programs`) on the smallest slice of `chip` that fits with ≥10%
-    headroom (or on `topology`), FSDP over every device of a replica; the row of results/pod/memory.csv.
+    headroom (or on `topology`), FSDP over every device of a replica (÷ `tensor`, the rest on the tensor
+    axis); the row of results/pod/memory.csv. `batch`: global batch rows instead of the spec's.
     The rough estimate (`estimate_bytes`) only skips slices that cannot fit by a wide margin (2×); the
     rest are compiled smallest first until one fits (each slice's result kept under `cache`)."""
     cfg = paper_config(scale, method, spm)
+    cfg.batch_size, cfg.mesh.tensor = batch or cfg.batch_size, tensor
     from diloco.model.scales import formula_params
 
     n = float(formula_params(scale))
@@ -142,7 +144,8 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
         todo = [topology]
     else:
         slices = SLICES.get(chip) or GPU_NODES[chip]
-        usable = [t for t in slices if cfg.batch_size % slice_devices(t) == 0 and slice_devices(t) % R == 0]
+        usable = [t for t in slices if cfg.batch_size * tensor % slice_devices(t) == 0
+                  and slice_devices(t) % (R * tensor) == 0]
         if not usable:
             raise ConfigError("batch_size", f"{cfg.batch_size} sequences split over no {chip} slice of "
                               f"{', '.join(slices)} with {R} replicas")
@@ -159,6 +162,9 @@ def table_row(scale: str, method: str, chip: str, spm: str, topology: str | None
             log(f"  {topology}: does not fit ({row['peak_gib'] or row['note'][:80]}); next slice")
     if tried:
         row["note"] = ("smaller: " + ", ".join(tried) + ("; " + row["note"] if row["note"] else ""))[:300]
+    if batch:
+        row["note"] = f"batch {batch} ({batch // R} rows per replica), not the spec's" + (
+            "; " + row["note"] if row["note"] else "")
     return row
 
 
@@ -171,7 +177,7 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     from diloco.trainer import Trainer
 
     devices = gpu_devices(topology) if chip in GPU_SPECS else tpu_devices(topology)
-    cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1
+    cfg.mesh.replica_axis, cfg.mesh.data, cfg.mesh.fsdp = R if R > 1 else 0, 1, -1  # mesh.tensor: table_row's
     mesh_shape(cfg, len(devices))  # the mesh and batch fit the devices
     how = compiled_with(chip=chip)
     key = hashlib.sha256(f"{to_json(cfg)}|{topology}|{how}".encode()).hexdigest()[:16]
@@ -222,6 +228,13 @@ def compile_row(cfg, scale, method, chip, topology, R, hbm, cache: str | None = 
     return row
 
 
+def row_id(r: dict) -> tuple:
+    """What a row of the table is: (scale, method, chip, tensor size, global batch); rows of one id replace
+    each other."""
+    tensor = next((int(x[6:]) for x in str(r["mesh"]).split("×") if x.startswith("tensor")), 1)
+    return r["scale"], r["method"], r["chip"], tensor, int(r["global_batch"])
+
+
 def parse_peaks(text: str) -> dict[str, float]:
     """A row's `program_peaks_gib` ('inner=1.7; eval=1.4; …') as {program: GiB}."""
     return {k: float(v) for k, v in (x.rsplit("=", 1) for x in str(text or "").split("; ") if x)}
@@ -257,7 +270,7 @@ def write_table(rows: list[dict], out_dir: str) -> None:
     import io
 
     order = lambda r: (PAPER_SCALES.index(r["scale"]), list(PAPER_METHODS).index(r["method"]),
-                       (list(SLICES) + list(GPU_NODES)).index(r["chip"]))
+                       (list(SLICES) + list(GPU_NODES)).index(r["chip"]), -row_id(r)[4], row_id(r)[3])
     rows = sorted(({**r, **{k: v for k, v in before(r).items() if r.get(k) in (None, "")}} for r in rows), key=order)
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\r\n")
@@ -270,7 +283,8 @@ def write_table(rows: list[dict], out_dir: str) -> None:
              f"Seq {rows[0]['seq_len'] if rows else 2048}, T5 32k vocabulary, the spec's global batch "
              "(experiments/common.py BATCH, same tokens per step at seq 2048), bf16 compute, fp32 params + AdamW; "
              "every spec default left on `auto` (blocks under nn.scan, remat full, Pallas splash attention on "
-             "TPU); mesh data=1, fsdp = every device of a replica. The slice is the smallest of the chip that "
+             "TPU); mesh data=1, fsdp = every device of a replica (÷ tensor in rows with a tensor axis: "
+             "`--tensor N`, heads, MLP and vocabulary split N ways). The slice is the smallest of the chip that "
              "compiles with ≥10% headroom (smaller slices tried and failed are in the note). Compiled for the "
              "TPU topology with libtpu on a CPU host.", "",
              "**What is compiled** (column *compiled* = `run`): every program a run of the method executes "
@@ -319,28 +333,29 @@ def write_table(rows: list[dict], out_dir: str) -> None:
 
 
 def paper_table(out_dir: str, spm: str, scales=PAPER_SCALES, methods=tuple(PAPER_METHODS), chips=tuple(SLICES),
-                log=print, cache: str | None = None) -> list[dict]:
-    """Every (scale, method, chip) row, resumable: rows in memory.csv compiled as this process compiles
-    (`compiled_with()`) are kept and skipped; the others are compiled again and replaced, each row
-    written as soon as it is done (memory.csv read again first: processes compiling other rows may
-    share it). Set the flags (`use_tpu_overlap_flags`) before libtpu starts: `paper_table_main` does."""
+                log=print, cache: str | None = None, tensor: int = 1, batch: int | None = None,
+                topology: str | None = None) -> list[dict]:
+    """Every (scale, method, chip) row (at `tensor`, `batch`: `row_id`), resumable: rows in memory.csv compiled
+    as this process compiles (`compiled_with()`) are kept and skipped; the others are compiled again and
+    replaced, each row written as soon as it is done (memory.csv read again first: processes compiling other
+    rows may share it). Set the flags (`use_tpu_overlap_flags`) before libtpu starts: `paper_table_main` does."""
     os.makedirs(out_dir, exist_ok=True)
     rows = read_table(os.path.join(out_dir, "memory.csv"))
     hows = {chip: compiled_with(chip=chip) for chip in chips}
-    done = {(r["scale"], r["method"], r["chip"]) for r in rows if r["chip"] in hows and (r.get("compiled_with") == hows[r["chip"]] or (
+    done = {row_id(r) for r in rows if r["chip"] in hows and (r.get("compiled_with") == hows[r["chip"]] or (
             compiled_kind(r) == "distinct" and "distinct " + r["compiled_with"] == hows[r["chip"]]))}
     for scale in scales:
         for method in methods:
+            rows_of = batch or paper_config(scale, method, spm).batch_size
             for chip in chips:
-                if (scale, method, chip) in done:
+                if (key := (scale, method, chip, tensor, rows_of)) in done:
                     continue
                 t0 = time.time()
-                log(f"{scale} {method} {chip} ...")
-                row = table_row(scale, method, chip, spm, log=log, cache=cache)
+                log(f"{scale} {method} {chip} tensor {tensor} batch {rows_of} ...")
+                row = table_row(scale, method, chip, spm, topology, log, cache, tensor, batch)
                 log(json.dumps(row) + f"  ({time.time() - t0:.0f} s)")
                 # read again: another --paper-table process may have written rows since
-                rows = [r for r in read_table(os.path.join(out_dir, "memory.csv"))
-                        if (r["scale"], r["method"], r["chip"]) != (scale, method, chip)] + [row]
+                rows = [r for r in read_table(os.path.join(out_dir, "memory.csv")) if row_id(r) != key] + [row]
                 write_table(rows, out_dir)
     return rows
 
@@ -361,6 +376,9 @@ def paper_table_main(argv: list[str]) -> int:
                     "(default $DILOCO_CACHE/paper_table; 'none': off)")
     ap.add_argument("--no-overlap-flags", action="store_true",
                     help="do not add the project's overlap flags to LIBTPU_INIT_ARGS (rows then say so)")
+    ap.add_argument("--tensor", type=int, default=1, help="mesh.tensor of the rows (fsdp = the rest of a replica)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch rows (default: the spec's)")
+    ap.add_argument("--topology", default=None, help="the slice (default: the smallest of the chip that fits)")
     args = ap.parse_args(argv)
     if not args.spm:
         print("diloco compile: --spm: no SentencePiece model given; pass --spm PATH to the T5 32k model "
@@ -380,7 +398,7 @@ def paper_table_main(argv: list[str]) -> int:
     try:
         rows = paper_table(args.out, args.spm, split(args.scales, PAPER_SCALES, "--scales"),
                            split(args.methods, PAPER_METHODS, "--methods"), split(args.chips, {**SLICES, **GPU_NODES}, "--chips"),
-                           cache=cache)
+                           cache=cache, tensor=args.tensor, batch=args.batch, topology=args.topology)
     except ConfigError as e:
         print(f"diloco compile: {e}", file=sys.stderr)
         return 2
