@@ -195,11 +195,12 @@ def no_fault_band(tmp_path_factory):
 
 @pytest.mark.parametrize("faults", ["kill+straggle+syncer", "throttle"])
 def test_chaos_four_learners(tmp_path, no_fault_band, faults):
-    """`diloco syncer` + 4 `diloco train --config.sync=grpc://…` processes; each round merged once. kill+straggle+syncer
-    (quorum 3, grace 2 s): learner 1 SIGKILLed a third in, restarted (resumes from its checkpoint), learner 3 3× slower,
-    the synchronizer SIGKILLed two thirds in, restarted; learner 0 never waits > grace + 2 s, trains on while it is down;
-    late rounds dropped; the eval loss (seed 0) moves by ≤ the no-fault seeds 0 … 3 spread. throttle (quorum all, no
-    window; scripts/netns.sh namespaces, 10 mbit egress): the no-fault numbers, the transfers beside the steps."""
+    """`diloco syncer` + 4 `diloco train --config.sync=grpc://…` processes (learner 2 on 2 devices); each round merged
+    once. kill+straggle+syncer (quorum 3, grace 2 s): learner 1 SIGKILLed a third in, restarted (resumes from its
+    checkpoint), learner 3 3× slower, the synchronizer SIGKILLed two thirds in, restarted; learner 0 never waits > grace
+    + 2 s, trains on while it is down; late rounds dropped; the eval loss (seed 0) moves by ≤ the no-fault seeds 0 … 3
+    spread. throttle (quorum all, no window; scripts/netns.sh namespaces, 10 mbit egress): the no-fault numbers, the
+    transfers beside the steps."""
     from diloco.learners import chaos
 
     if faults == "throttle" and chaos.netns_unusable():
@@ -211,6 +212,7 @@ def test_chaos_four_learners(tmp_path, no_fault_band, faults):
     print(json.dumps({**{k: v for k, v in r.items() if k not in ("summaries", "stats")}, "band": no_fault_band}))
     want = {f"{p}/{k}" for p, last in enumerate(stats["merged_rounds"]) for k in range(1, last + 1)}
     assert set(stats["merges"]) == want and set(stats["merges"].values()) == {1}  # each round once, none lost
+    assert [s["mesh"]["data"] for s in r["summaries"]] == [1, 1, 2, 1]  # learner 2: its own mesh of 2 devices
     if throttled:
         assert stats["dropped_late"] == {} and abs(r["eval_loss"] - no_fault_band[0]) < 1e-4 < r["compute_utilisation"] - 0.7
         return

@@ -93,12 +93,12 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         root.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, args: list[str], ns: int = 0) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], ns: int = 0, env: dict | None = None) -> subprocess.Popen:
         """`diloco ARGS` (in namespace `ns` of scripts/netns.sh when the links are throttled)."""
         log = open(self.root / f"{name}.log", "a")
         pre = ["ip", "netns", "exec", f"{NETNS['DILOCO_NETNS_PREFIX']}{ns}"] if self.netns else []
-        self.procs[name] = subprocess.Popen([*pre, sys.executable, "-m", "diloco.cli", *args], cwd=REPO, env=self.env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen([*pre, sys.executable, "-m", "diloco.cli", *args], cwd=REPO,
+                                            env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
     def syncer(self, timeout: float = 240) -> None:
@@ -112,9 +112,11 @@ class Cluster:
             time.sleep(0.1)
 
     def learner(self, m: int, sleep: float) -> None:
+        """Learner m; learner 2 on 2 local devices (its own data-parallel mesh: learners differ in chip count)."""
+        devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"} if m == 2 else None
         self.spawn(f"learner{m}", ["train", *self.flags, f"--config.sync=grpc://{self.host}:{self.port}", "--no_progress",
                                    f"--config.learner={m}", "--workdir", os.fspath(self.root / f"learner{m}"),
-                                   "--sleep", str(sleep)], ns=m + 1)
+                                   "--sleep", str(sleep)], ns=m + 1, env=devices)
 
     def steps(self, m: int) -> int:
         return len(rows(self.root / f"learner{m}" / "metrics.jsonl"))

@@ -168,7 +168,7 @@ class Learner:
         self.cfg, self.m, self.client, self.sleep = cfg, m, client, sleep
         self.root = path(workdir)
         RunDir(self.root).make()  # the folder and its lock, as a run's: a second learner on it is refused
-        self.tr = tr = Trainer(common.learner_config(cfg), devices=jax.devices()[:1])
+        self.tr = tr = Trainer(common.learner_config(cfg), devices=jax.devices())  # its own mesh: every local device
         self.sync, self.schedule, self.b = tr.sync, tr.schedule, tr.cfg.batch_size
         self.data = StoreBatches(prepare.store_for(cfg.data, cfg.vocab, cfg.data_dir or None), cfg.seq_len,
                                  cfg.batch_size, cfg.seed, rows=range(m * self.b, (m + 1) * self.b))
@@ -351,7 +351,7 @@ class Learner:
         params = self.tr.eval_params(self.state)
         evals = eval_batches(self.cfg.data, self.cfg.vocab, self.cfg.seq_len, self.cfg.batch_size, self.cfg.eval_batches,
                              data_dir=self.cfg.data_dir or None)
-        summary = {"learner": self.m, "steps": self.cfg.steps, "resumed_at": start,
+        summary = {"learner": self.m, "steps": self.cfg.steps, "resumed_at": start, "mesh": dict(self.tr.mesh.shape),
                    "params_sha256": params_sha256(self.state.outer.params),
                    "eval_loss": float(np.mean([float(ev(params, np.asarray(b))) for b in evals])),
                    "bytes_sent": self.client.sent, "bytes_payload": self.client.payload,
