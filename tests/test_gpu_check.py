@@ -287,7 +287,8 @@ def test_gradient_accumulation_gives_the_whole_batchs_step_on_eight_devices():
     """accum_steps=2 (two microbatches of 4 sequences per replica, one after the other) against the whole batch, on 8
     fake CPU devices: DP over data=8 (the flat token-weighted all-reduce), Streaming over replica 2 × data 4 and
     replica 2 × fsdp 4, with padding so the microbatches weigh differently. Three AdamW steps: every cross-entropy
-    within 1e-6 and every parameter within 2e-6 (float32 summation order). accum_steps=1 is the unaccumulated program itself
+    within 4 ulp (2e-6: float32's ulp is 4.8e-7 at a loss in [4, 8), the byte vocabulary's ≈ 5.5) and every
+    parameter within 2e-6 (float32 summation order; dp data8 measured 1.9e-6, 4 ulp, and 1.9e-7). accum_steps=1 is the unaccumulated program itself
     (tests/test_same_numbers.py's hashes)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TF_CPP_MIN_LOG_LEVEL="3")
     r = subprocess.run([sys.executable, "-c", ACCUM], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
@@ -300,7 +301,7 @@ def test_gradient_accumulation_gives_the_whole_batchs_step_on_eight_devices():
                                                  {"replica": 2, "data": 1, "fsdp": 4}]
     print(worst)
     for name, (ce, param, _) in worst.items():
-        assert ce <= 1e-6 and param <= 2e-6, (name, ce, param)
+        assert ce <= 2e-6 and param <= 2e-6, (name, ce, param)
 
 
 def test_accum_steps_must_split_the_batch_in_one_line():
