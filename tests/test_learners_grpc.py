@@ -207,7 +207,7 @@ def test_chaos_four_learners(tmp_path, no_fault_band, faults):
         pytest.skip(chaos.netns_unusable())
     grace, steps, throttled = 2.0, CHAOS["steps"], faults == "throttle"
     r = chaos.run(tmp_path, set(faults.split("+")), 4, steps, CHAOS, quorum=None if throttled else 3,
-                  grace=None if throttled else grace)
+                  grace=None if throttled else grace, devices={2: 2})
     stats, (s0, s1, *_), ev = r["stats"], r["summaries"], r["events"]
     print(json.dumps({**{k: v for k, v in r.items() if k not in ("summaries", "stats")}, "band": no_fault_band}))
     want = {f"{p}/{k}" for p, last in enumerate(stats["merged_rounds"]) for k in range(1, last + 1)}

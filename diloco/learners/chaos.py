@@ -80,8 +80,8 @@ class Cluster:
     and the learners, each logging to ROOT/<name>.log."""
 
     def __init__(self, root: Path, flags: list[str], learners: int, quorum: int | None, grace: float | None,
-                 answer: str = "fp32", netns: bool = False):
-        self.root, self.flags, self.M, self.netns = root, flags, learners, netns
+                 answer: str = "fp32", netns: bool = False, devices: dict[int, int] | None = None):
+        self.root, self.flags, self.M, self.netns, self.devices = root, flags, learners, netns, devices or {}
         self.port = free_port()
         self.env = {**os.environ, "DILOCO_SYNC_TOKEN": TOKEN, "XLA_FLAGS": "", **(NETNS if netns else {})}
         self.host = f"{NETNS['DILOCO_NETNS_SUBNET']}.1" if netns else "127.0.0.1"  # namespace 0's address
@@ -112,8 +112,9 @@ class Cluster:
             time.sleep(0.1)
 
     def learner(self, m: int, sleep: float) -> None:
-        """Learner m; learner 2 on 2 local devices (its own data-parallel mesh: learners differ in chip count)."""
-        devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"} if m == 2 else None
+        """Learner m, on `devices[m]` local CPU devices when given (its own mesh: learners differ in chip count)."""
+        n = self.devices.get(m)
+        devices = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"} if n else None
         self.spawn(f"learner{m}", ["train", *self.flags, f"--config.sync=grpc://{self.host}:{self.port}", "--no_progress",
                                    f"--config.learner={m}", "--workdir", os.fspath(self.root / f"learner{m}"),
                                    "--sleep", str(sleep)], ns=m + 1, env=devices)
@@ -152,12 +153,13 @@ class Cluster:
 
 
 def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict, quorum: int | None,
-        grace: float | None, sleep: float = 0.2, timeout: float = 600, answer: str = "fp32") -> dict:
+        grace: float | None, sleep: float = 0.2, timeout: float = 600, answer: str = "fp32",
+        devices: dict[int, int] | None = None) -> dict:
     """One chaos run; its counters and measurements (see the module's docstring)."""
     flags = ["--config", "experiments/toy.py:streaming", f"--config.replicas={learners}", f"--config.steps={steps}",
              *[f"--config.{k}={v}" for k, v in overrides.items()]]
     link = throttle(learners + 1) if "throttle" in faults else "loopback"
-    c, events = Cluster(root, flags, learners, quorum, grace, answer, netns="throttle" in faults), {}
+    c, events = Cluster(root, flags, learners, quorum, grace, answer, netns="throttle" in faults, devices=devices), {}
     deadline = time.time() + timeout
     try:
         c.syncer()
