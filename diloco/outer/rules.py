@@ -150,11 +150,7 @@ class Eager(Plain):
         outer_p = ex.outer[0] + upd
         v = v.replace(extra=ex.replace(outer=(outer_p,), opt=(opt_p,)))
 
-        def one(theta, g_n, m):
-            local_n = flat(theta)
-            merged = sync.alpha * local_n + (1.0 - sync.alpha) * g_n
-            return sync.frags.unflatten(theta, p, jnp.where(m, merged, local_n), starts)
-
+        one = lambda theta, g_n, m: sync.merge_one(theta, sync.frags.split(g_n, p), m, p, starts)  # noqa: E731
         return jax.vmap(one)(params_R, outer_p, mask_R), v, target
 
     def land(self, v, avg_n):

@@ -114,9 +114,14 @@ class OuterSync:
     def delta(self, params_R, outer: OuterState, p: int, starts=None) -> jax.Array:
         """Δ_m,p = θᵍ_p − θ_m,p, (R, n_p) f32: the outer gradient of every replica (the only place).
         `starts`: fragment p's rows read at these (traced) starts, for a program shared by the fragments
-        of p's layout (`Fragments.layout`); the same in update and merge."""
-        g_n = self.frags.flatten(outer.params, p, starts)
-        return g_n[None] - jax.vmap(lambda t: self.frags.flatten(t, p, starts))(params_R)
+        of p's layout (`Fragments.layout`); the same in update and merge. The difference is taken piece by
+        piece in the parameters' own sharding; only Δ is flattened (one vector, not θᵍ's and each θ_m's)."""
+        g = [x.astype(jnp.float32) for x in self.frags.pieces(outer.params, p, starts)]
+
+        def one(theta):
+            return jnp.concatenate([(gx - x.astype(jnp.float32)).reshape(-1)
+                                    for gx, x in zip(g, self.frags.pieces(theta, p, starts))])
+        return jax.vmap(one)(params_R)
 
     @staticmethod
     def with_pending(outer: OuterState, p: int, avg_n: jax.Array) -> OuterState:
@@ -214,14 +219,17 @@ class OuterSync:
         return self.frags.unpieces(g_params, p, jax.tree_util.tree_leaves(new), starts), opt_p
 
     def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array, starts=None):
-        g_n = self.frags.flatten(outer.params, p, starts)
+        g = [x.astype(jnp.float32) for x in self.frags.pieces(outer.params, p, starts)]
+        return jax.vmap(lambda theta, m: self.merge_one(theta, g, m, p, starts))(params_R, mask_R)
 
-        def one(theta, m):
-            local_n = self.frags.flatten(theta, p, starts)
-            merged = self.alpha * local_n + (1.0 - self.alpha) * g_n
-            return self.frags.unflatten(theta, p, jnp.where(m, merged, local_n), starts)
-
-        return jax.vmap(one)(params_R, mask_R)
+    def merge_one(self, theta, g_pieces, m, p: int, starts=None):
+        """θ_m,p ← α·θ_m,p + (1−α)·θᵍ_p (where m) for one replica's tree, piece by piece in the parameters'
+        own sharding (elementwise: nothing is flattened, so no chip holds more than its share)."""
+        new = []
+        for gx, x in zip(g_pieces, self.frags.pieces(theta, p, starts)):
+            local = x.astype(jnp.float32)
+            new.append(jnp.where(m, self.alpha * local + (1.0 - self.alpha) * gx, local))
+        return self.frags.unpieces(theta, p, new, starts)
 
 
 def _identity(x):
