@@ -14,8 +14,6 @@ Pure functions over (R, n) arrays (numpy or jax).
 """
 from __future__ import annotations
 
-from typing import Callable
-
 
 def compensate(delta_Rxn, residual_Rxn):
     """What each replica encodes: its outer gradient plus its residual."""
@@ -26,9 +24,3 @@ def residual(target_Rxn, sent_Rxn):
     """The new residual: what was meant minus what the receivers decode."""
     return target_Rxn - sent_Rxn
 
-
-def step(delta_Rxn, residual_Rxn, roundtrip: Callable):
-    """One send with error feedback: (sent (R, n), new residual (R, n)); roundtrip(target) -> decoded."""
-    target = compensate(delta_Rxn, residual_Rxn)
-    sent = roundtrip(target)
-    return sent, residual(target, sent)
