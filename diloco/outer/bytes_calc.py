@@ -31,6 +31,7 @@ import re
 from diloco.errors import ConfigError
 from diloco.outer import codecs
 from diloco.outer.methods import METHODS, num_fragments
+from diloco.outer.schedule import fragment_offset
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 DEFAULT_CODEC = {"diloco": "none", "streaming": "e3m0"}
@@ -68,7 +69,7 @@ def fragment_sizes(params: int, layers: int, fragments: int) -> list[int]:
 
 
 def fragment_offsets(H: int, fragments: int) -> list[int]:
-    return [int(math.floor(p * H / fragments + 0.5)) for p in range(fragments)]
+    return [fragment_offset(p, H, fragments) for p in range(fragments)]
 
 
 def sync_counts(steps: int, H: int, fragments: int) -> list[int]:

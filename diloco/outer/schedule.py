@@ -15,6 +15,12 @@ import math
 from diloco.errors import ConfigError
 
 
+def fragment_offset(p: int, H: int, P: int) -> int:
+    """t_p = round(p·H/P), halves up: the step (mod H) after which fragment p sends (the trainer's, the byte
+    calculator's and the simulator's one rule)."""
+    return math.floor(p * H / P + 0.5)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     H: int
@@ -38,7 +44,7 @@ class Schedule:
         return min(self.taus)
 
     def offset(self, p: int) -> int:
-        return math.floor(p * self.H / self.P + 0.5)
+        return fragment_offset(p, self.H, self.P)
 
     def sends(self, t: int) -> list[int]:
         """Fragments whose outer gradient is computed and sent after inner step t."""

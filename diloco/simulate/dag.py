@@ -23,6 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from diloco.errors import ConfigError
+from diloco.outer.schedule import fragment_offset
 
 PATTERNS = ("strided", "sequential")
 
@@ -113,8 +114,9 @@ def fragment_layers(layers: int, fragments: int, pattern: str = "strided") -> li
 
 
 def fragment_offsets(h: int, fragments: int) -> np.ndarray:
-    """t_p = round(p·H/P): fragment p is reduced after steps t_p + k·H."""
-    return np.array([round(p * h / fragments) for p in range(fragments)], dtype=int)
+    """t_p (diloco.outer.schedule.fragment_offset, halves up as the trainer): fragment p is reduced after steps
+    t_p + k·H."""
+    return np.array([fragment_offset(p, h, fragments) for p in range(fragments)], dtype=int)
 
 
 def layer_times(model: Model, a: Assumptions) -> tuple[float, float, float]:
