@@ -123,20 +123,30 @@ def _refused(capsys, tmp_path, recorder, argv) -> str:
 
 
 # -- every bad input before billing: one line, exit 2, nothing created ------------------------------
-def test_invalid_accelerator_is_refused_before_anything(tmp_path, capsys, recorder):
-    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-48"])
-    assert "--accelerator: 'v5p-48'" in err and "v5p-32, v5p-64" in err
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5litepod-24"])
-    assert "v5litepod-16, v5litepod-32" in err
+TINY, GS = "experiments/c4_scaling.py:tiny,dp", ["--root", "gs://bkt/r"]
+REFUSALS = [  # (experiment, points, argv after the sweep file ({tmp}: this test's folder), what the one line says)
+    (TINY, "[{}]", [*GS, "--accelerator", "v5p-48"], ["--accelerator: 'v5p-48'", "v5p-32, v5p-64"]),
+    (TINY, "[{}]", [*GS, "--accelerator", "v5litepod-24"], ["v5litepod-16, v5litepod-32"]),
+    # a v5p-384 slice is 48 hosts, one process each; 48 and 32 divide neither way
+    ("experiments/c4_scaling.py:tiny,diloco_h30", '[{"replicas": 32, "batch_size": 96}]', [*GS, "--accelerator",
+     "v5p-384"], ["diloco sweep: bad input: replicas: point replicas=32,batch_size=96: 1× v5p-384 is 48 hosts",
+                  "48 processes do not divide replicas=32"]),
+    (TINY, "[{}]", [*GS, "--accelerator", "v5p-8", "--set", "vocab=sentencepiece:{tmp}/none.model"],
+     ["vocab: point default: sentencepiece model '{tmp}/none.model' not found"]),
+    (TINY, "[{}]", ["--root", "{tmp}/runs", "--accelerator", "v5p-8"], ["--root", "use a gs://bucket/… root"]),
+    (TINY, '[{"batch_size": 6}]', [*GS, "--accelerator", "v5p-16"], ["batch_size: point batch_size=6:",
+                                                                      "--set batch_size=8"]),
+    ("{tmp}/exp.py", "[{}]", [*GS, "--accelerator", "v5p-8"], ["config: point default: spec",
+                                                                "not in the tree shipped to the workers"]),
+]
 
 
-def test_hosts_that_do_not_divide_the_replicas_are_refused(tmp_path, capsys, recorder):
-    # the example: a v5p-384 slice is 48 hosts, one process each; 48 and 32 divide neither way
-    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,diloco_h30", '[{"replicas": 32, "batch_size": 96}]')
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-384"])
-    assert err.startswith("diloco sweep: bad input: replicas: point replicas=32,batch_size=96: 1× v5p-384 is 48 hosts")
-    assert "48 processes do not divide replicas=32" in err
+@pytest.mark.parametrize("experiment, points, argv, says", REFUSALS)
+def test_bad_input_is_refused_in_one_line_before_anything(tmp_path, capsys, recorder, experiment, points, argv, says):
+    fill = lambda x: x.replace("{tmp}", str(tmp_path))  # noqa: E731
+    (tmp_path / "exp.py").write_text((REPO_ROOT / "experiments" / "base.py").read_text())  # a spec outside the tree
+    err = _refused(capsys, tmp_path, recorder, [str(_write_sweep(tmp_path, fill(experiment), points)), *map(fill, argv)])
+    assert all(fill(x) in err for x in says), err
 
 
 def test_a_tfds_point_is_refused_on_any_slice_naming_the_store_to_make(tmp_path, capsys, recorder):
@@ -194,32 +204,6 @@ def test_downstream_items_outside_the_shipped_tree_are_refused(tmp_path, capsys,
         preflight.check_downstream(cfg, "p", {"evaldata_old/hellaswag/validation.jsonl"})
     cfg.downstream.tasks = ""
     preflight.check_downstream(cfg, "p", set())  # nothing scored during training: nothing to check
-
-
-def test_a_missing_vocabulary_is_refused(tmp_path, capsys, recorder):
-    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8",
-                                                "--set", f"vocab=sentencepiece:{tmp_path}/none.model"])
-    assert f"vocab: point default: sentencepiece model '{tmp_path}/none.model' not found" in err
-
-
-def test_a_local_root_is_refused(tmp_path, capsys, recorder):
-    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp")
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", str(tmp_path / "runs"), "--accelerator", "v5p-8"])
-    assert "--root" in err and "use a gs://bucket/… root" in err
-
-
-def test_a_batch_the_chips_cannot_split_is_refused_with_the_batch_that_can(tmp_path, capsys, recorder):
-    f = _write_sweep(tmp_path, "experiments/c4_scaling.py:tiny,dp", '[{"batch_size": 6}]')
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-16"])
-    assert "batch_size: point batch_size=6:" in err and "--set batch_size=8" in err
-
-
-def test_a_spec_outside_the_shipped_tree_is_refused(tmp_path, capsys, recorder):
-    (tmp_path / "exp.py").write_text((REPO_ROOT / "experiments" / "base.py").read_text())
-    f = _write_sweep(tmp_path, f"{tmp_path}/exp.py")
-    err = _refused(capsys, tmp_path, recorder, [str(f), "--root", "gs://bkt/r", "--accelerator", "v5p-8"])
-    assert "config: point default: spec" in err and "not in the tree shipped to the workers" in err
 
 
 def _tiny_spm(path):
