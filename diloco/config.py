@@ -226,7 +226,9 @@ def _validate_faults(cfg) -> None:
 
 
 # Logical axis names the model uses (diloco/model/transformer.py: parameters and activations) and the mesh axes.
-LOGICAL_NAMES = ("batch", "length", "vocab", "embed", "qkv", "heads", "head_dim", "mlp", "layers")
+LOGICAL_NAMES = ("batch", "length", "sequence", "vocab", "embed", "qkv", "heads", "head_dim", "mlp", "layers")
+# `sequence`: the length axis of the residual stream between sublayers (`length`: inside attention and the MLP);
+# sequence=tensor is sequence parallelism (the all-reduce of each sublayer becomes a reduce-scatter + all-gather).
 MESH_AXES = ("replica", "data", "fsdp", "tensor")
 DEFAULT_RULES = "batch=data+fsdp,embed=fsdp"
 # Megatron-style splits on `tensor` (mesh.tensor > 1), after `mesh.rules` for the names it leaves out:

@@ -212,10 +212,13 @@ def check_tensor(cfg, t: int, per: int) -> None:
         from diloco.data import get_vocabulary
 
         limits["padded vocab rows"] = padded_vocab(get_vocabulary(cfg.vocab).vocab_size)
+    rules = dict(r.partition("=")[::2] for r in str(cfg.mesh.get("rules", "")).replace(" ", "").split(","))
+    if "tensor" in rules.get("sequence", "").split("+"):  # sequence parallelism (config.LOGICAL_NAMES)
+        limits["positions (mesh.rules sequence=tensor)"] = cfg.seq_len
     bad = next(((k, v) for k, v in limits.items() if v % t), None)
     if bad is None:
         return
-    ok = [d for d in range(1, per + 1) if all(v % d == 0 for v in (per, s.heads, s.mlp_dim, VOCAB_PAD))]
+    ok = [d for d in range(1, per + 1) if all(v % d == 0 for v in (VOCAB_PAD, *limits.values()))]
     near = min(ok, key=lambda d: (abs(d - t), d))
     raise ConfigError("mesh.tensor", f"{t} does not divide the {bad[1]} {bad[0]} ({cfg.scale}: heads {s.heads}, "
                       f"mlp dim {s.mlp_dim}, {per} devices per replica); use mesh.tensor={near}")

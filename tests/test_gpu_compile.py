@@ -140,6 +140,24 @@ def test_without_the_overlap_flags_the_exchange_waits_for_the_step():
 
 @pytest.mark.slow
 @needs_plugin
+def test_sequence_parallelism_turns_the_tensor_all_reduces_into_reduce_scatters():
+    """The toy inner step on 8 H200s, replica 2 × fsdp 2 × tensor 2, with and without `sequence=tensor` in
+    mesh.rules: without it each sublayer ends in an all-reduce over `tensor`; with it the residual stream is split
+    over the sequence, the sublayers end in reduce-scatters over `tensor`, and the step holds fewer temporaries."""
+    def inner(rules):
+        rep = compile_node("--config", "experiments/toy.py:streaming", "--programs", "inner", "--config.mesh.fsdp=2",
+                           "--config.mesh.tensor=2", f"--config.mesh.rules={rules}")
+        (p,) = rep["programs"]
+        by = lambda kind: sum(c["operand_bytes"] * c["count"] for c in p["collectives"]  # noqa: E731
+                              if c["kind"] == kind and c["axes"] == ["tensor"])
+        return by("all-reduce"), by("reduce-scatter"), p["memory"]["temp_bytes"]
+    ar, rs, temp = inner("batch=data+fsdp,embed=fsdp")
+    ar_sp, rs_sp, temp_sp = inner("batch=data+fsdp,embed=fsdp,sequence=tensor")
+    assert ar > 0 and ar_sp < 0.1 * ar and rs_sp > rs and temp_sp < temp, (ar, rs, temp, ar_sp, rs_sp, temp_sp)
+
+
+@pytest.mark.slow
+@needs_plugin
 def test_35m_streaming_for_8_h200_calls_cudnn_and_overlaps_both_layer_loops(shared_dir):
     """The paper's 35M Streaming spec (bf16, head dim 64: cuDNN's fused attention; nn.scan; FSDP over a
     replica's 4 GPUs; no remat: the memory estimate fits the H200's pool): cuDNN's custom calls are in the compiled step, the peak fits, and the exchange's

@@ -11,16 +11,20 @@ from conftest import REPO, tiny_config
 from diloco.errors import ConfigError
 
 
-@pytest.mark.parametrize("method, scale, n, tensor, why, near", [
-    ("streaming", "tiny", 8, 4, "does not divide the 2 heads", 2),                # tiny: 2 heads
-    ("streaming", "tiny", 8, 3, "does not divide the 4 devices of one replica", 2),  # 8 devices / 2 replicas
-    ("dp", "35M", 16, 16, "does not divide the 8 heads", 8),                      # 35M: 8 heads, mlp 2048
-    ("streaming", "300M", 20, 5, "does not divide the 384 padded vocab rows", 2),  # byte vocab: 259 → 384 rows
+SP = {"mesh.rules": "batch=data+fsdp,embed=fsdp,sequence=tensor", "seq_len": 36}  # sequence parallelism
+
+
+@pytest.mark.parametrize("method, scale, n, tensor, why, near, over", [
+    ("streaming", "tiny", 8, 4, "does not divide the 2 heads", 2, {}),                # tiny: 2 heads
+    ("streaming", "tiny", 8, 3, "does not divide the 4 devices of one replica", 2, {}),  # 8 devices / 2 replicas
+    ("dp", "35M", 16, 16, "does not divide the 8 heads", 8, {}),                      # 35M: 8 heads, mlp 2048
+    ("streaming", "300M", 20, 5, "does not divide the 384 padded vocab rows", 2, {}),  # byte vocab: 259 → 384 rows
+    ("dp", "35M", 16, 8, "does not divide the 36 positions (mesh.rules sequence=tensor)", 4, SP),  # 36 = 4·9
 ])
-def test_a_tensor_size_that_cannot_split_is_one_line_with_the_nearest(method, scale, n, tensor, why, near):
+def test_a_tensor_size_that_cannot_split_is_one_line_with_the_nearest(method, scale, n, tensor, why, near, over):
     from diloco.resolve import mesh_shape
 
-    cfg = tiny_config(method, scale=scale, batch_size=2 * n, **{"mesh.tensor": tensor, "mesh.fsdp": 1})
+    cfg = tiny_config(method, scale=scale, batch_size=2 * n, **{"mesh.tensor": tensor, "mesh.fsdp": 1, **over})
     with pytest.raises(ConfigError) as e:
         mesh_shape(cfg, n)
     msg = str(e.value)
@@ -98,11 +102,11 @@ from diloco.trainer import Trainer
 from diloco.checkpoint import Checkpointer
 CK = sys.argv[1]
 RTOL = 2e-6  # the test's docstring says why
-def cfg_for(method, data, fsdp, tensor):
+def cfg_for(method, data, fsdp, tensor, rules="batch=data+fsdp,embed=fsdp"):
     kw = dict(H=4, layers_per_fragment=1, tau=1, codec="e3m0") if method == "streaming" else {}
     if method == "diloco":
         kw = dict(H=3)
-    return tiny_config(method, batch_size=16, **kw, **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
+    return tiny_config(method, batch_size=16, **kw, **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "mesh.rules": rules})
 rng = np.random.default_rng(0)
 bs = [rng.integers(2, 200, size=(16, 32), dtype=np.int32) for _ in range(9)]
 def run(tr, st, steps):
@@ -138,7 +142,7 @@ b, ce_b2, sent_b2 = run(tp, st, range(6, 10))
 ce_b = np.concatenate([ce_b1, ce_b2])
 np.testing.assert_allclose(ce_b, ce_a, rtol=RTOL); assert sent_b1 + sent_b2 == sent_a; same(a, b)
 worst = max(worst, float(np.abs(ce_b / ce_a - 1).max()))
-t22 = Trainer(cfg_for("streaming", 1, 2, 2), devices=jax.devices())
+t22 = Trainer(cfg_for("streaming", 1, 2, 2, "batch=data+fsdp,embed=fsdp,sequence=tensor"), devices=jax.devices())
 assert dict(t22.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 2, "tensor": 2}
 c, ce_c, sent_c = run(t22, t22.fresh_state(), range(1, 10))
 np.testing.assert_allclose(ce_c, ce_a, rtol=RTOL); assert sent_c == sent_a; same(a, c)
@@ -174,7 +178,7 @@ print("ok worst relative ce difference", worst, "bytes", sent_a)
 @pytest.mark.slow
 def test_tensor_two_gives_the_numbers_of_tensor_one_and_its_checkpoint_resumes_at_one(tmp_path):
     """On 8 fake CPU devices (2 replicas of 4 chips), tiny scale: dp, diloco and Streaming (τ = 1, E3M0) with
-    tensor 2 (data 2, and data 1 × fsdp 2 for Streaming) give tensor 1's per-replica losses row by row within
+    tensor 2 (data 2, and data 1 × fsdp 2 with sequence parallelism for Streaming) give tensor 1's per-replica losses row by row within
     2e-6 relative, the same bytes counted, and θᵍ within 2e-5; the parameters are split over tensor (mlp_in's
     columns) and the pending Δ over data × tensor. A checkpoint written at tensor 2 restores at tensor 1 bit for
     bit (orbax reshards) and continues as tensor 2 does; at the toy scale (4 heads) one restores at tensor 4 so.

@@ -186,7 +186,7 @@ class Block(nn.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         B, L, D = x_BxLxD.shape
         H, K = cfg.heads, cfg.d_model // cfg.heads
-        h = RMSNorm(name="attn_norm")(x_BxLxD)
+        h = _constrain(RMSNorm(name="attn_norm")(x_BxLxD), ("batch", "length", "embed"))  # sequence=…: gathered
         qkv_BxLx3xHxK = QKV(dt, name="qkv")(h).reshape(B, L, 3, H, K)
         # backward: one concatenate (indexing would pad each and add)
         q, k, v = (t.reshape(B, L, H, K) for t in jnp.split(qkv_BxLx3xHxK, 3, axis=2))
@@ -207,12 +207,12 @@ class Block(nn.Module):
             att_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs, v)
         att_BxLxD = att_BxLxHxK.reshape(B, L, D)
         x_BxLxD = x_BxLxD + _dense(D, dt, "attn_out", D, ("heads", "embed"))(att_BxLxD)
-        x_BxLxD = _constrain(x_BxLxD, ("batch", "length", "embed"))
-        h = RMSNorm(name="mlp_norm")(x_BxLxD)
+        x_BxLxD = _constrain(x_BxLxD, ("batch", "sequence", "embed"))
+        h = _constrain(RMSNorm(name="mlp_norm")(x_BxLxD), ("batch", "length", "embed"))
         h_BxLxF = nn.gelu(_dense(cfg.mlp_dim, dt, "mlp_in", D, ("embed", "mlp"))(h))
         h_BxLxF = _constrain(h_BxLxF, ("batch", "length", "mlp"))
         x_BxLxD = x_BxLxD + _dense(D, dt, "mlp_out", cfg.mlp_dim, ("mlp", "embed"))(h_BxLxF)
-        return _constrain(x_BxLxD, ("batch", "length", "embed")), None
+        return _constrain(x_BxLxD, ("batch", "sequence", "embed")), None
 
 
 def _remat(block, policy: str, scan: bool):
@@ -236,7 +236,7 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, name="embed",
                          embedding_init=nn.with_logical_partitioning(
                              nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")))
-        x_BxLxD = _constrain(embed(tokens_BxL), ("batch", "length", "embed"))
+        x_BxLxD = _constrain(embed(tokens_BxL), ("batch", "sequence", "embed"))
         sin, cos = rope_tables(tokens_BxL.shape[1], cfg.d_model // cfg.heads, cfg.rope_base)
         block = _remat(Block, cfg.checkpoint_policy, cfg.scan)
         if cfg.scan:
