@@ -15,6 +15,7 @@ import dataclasses
 import os
 from typing import Any
 
+from diloco.axes import mesh_rules
 from diloco.errors import ConfigError
 from diloco.model.scales import SCALES, TOY_SCALES, formula_params
 from diloco.model.transformer import SPLASH_BLOCK
@@ -212,8 +213,7 @@ def check_tensor(cfg, t: int, per: int) -> None:
         from diloco.data import get_vocabulary
 
         limits["padded vocab rows"] = padded_vocab(get_vocabulary(cfg.vocab).vocab_size)
-    rules = dict(r.partition("=")[::2] for r in str(cfg.mesh.get("rules", "")).replace(" ", "").split(","))
-    if "tensor" in rules.get("sequence", "").split("+"):  # sequence parallelism (config.LOGICAL_NAMES)
+    if "tensor" in (dict(mesh_rules(cfg)).get("sequence") or ()):  # sequence parallelism (diloco/axes.py)
         limits["positions (mesh.rules sequence=tensor)"] = cfg.seq_len
     bad = next(((k, v) for k, v in limits.items() if v % t), None)
     if bad is None:

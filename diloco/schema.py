@@ -149,7 +149,7 @@ DECLARED: dict[str, object] = {
     "mesh.data": Num(int, -1, fix="≥ 1, or -1 for the remaining devices"),
     "mesh.fsdp": Num(int, -1, fix="≥ 1, -1 for the remaining devices, or 0 (auto)"),
     "mesh.tensor": Num(int, 0, fix="≥ 1, or 0 (auto: the smallest that fits)"),
-    "mesh.rules": Text("name=axis[+axis],… (diloco/config.py mesh_rules)"),
+    "mesh.rules": Text("name=axis[+axis],… (diloco/axes.py mesh_rules)"),
     "downstream.tasks": Text("'' or task names (diloco eval --help)"), "downstream.every": NONNEG,
     "downstream.limit": NONNEG, "downstream.data_dir": Text("a folder or ''"),
     "faults.miss_sync_replica": REPLICA_OFF, "faults.miss_sync_step": STEP_OFF,

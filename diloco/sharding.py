@@ -1,7 +1,7 @@
 """The mesh and every sharding of a run's state and batches (the Trainer's layout).
 
 Mesh axes ("replica", "data", "fsdp", "tensor"): replicas on `replica`, a replica's chips on data × fsdp ×
-tensor (tensor: Megatron-style splits of heads, MLP and vocabulary, config.TENSOR_RULES; the batch rows are
+tensor (tensor: Megatron-style splits of heads, MLP and vocabulary, diloco/axes.py TENSOR_RULES; the batch rows are
 split over data × fsdp only, the chips of a tensor group read the same rows).
 
   replica_sharding     P("replica"): a replica-stacked array, one replica's row per replica group
@@ -9,7 +9,7 @@ split over data × fsdp only, the chips of a tensor group read the same rows).
                        that do not split)
   batch_sharding       P("replica", ("data", "fsdp")): a replica's batch rows over its chips
   parameter leaves     `replica` on the leading axis, the rest by the logical axis rules (`mesh.rules`,
-                       diloco/config.py mesh_rules) through each parameter's names (diloco/model)
+                       diloco/axes.py mesh_rules) through each parameter's names (diloco/model)
   outer state          θᵍ (and a subtree-shaped outer-optimizer state) like one replica's parameters; flat
                        per-fragment vectors (pending Δ, nesterov's momentum) over data × fsdp × tensor when
                        they divide
@@ -25,7 +25,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diloco.config import TENSOR_RULES, mesh_rules
+from diloco.axes import TENSOR_RULES, mesh_rules
 from diloco.distributed import device_grid
 from diloco.model import param_logical_axes
 

@@ -69,7 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
                                              remat_policy="auto", attention="auto", matmul_precision="auto"))
     # replica_axis 0: auto (M if the devices allow, else 1). Inside a replica the devices are data × fsdp
     # (one of them -1: the remaining devices); fsdp > 1 shards params, AdamW moments and the outer state.
-    # rules: logical axis name → mesh axes inside a replica ("name=axis[+axis],…"; diloco/config.py mesh_rules):
+    # rules: logical axis name → mesh axes inside a replica ("name=axis[+axis],…"; diloco/axes.py mesh_rules):
     # parameters/AdamW moments/θᵍ and the activations are laid out by them (docs/distributed.md).
     # fsdp 0 = auto: 1 at the toy scales, every device of a replica at the paper's scales (resolve.mesh_shape).
     # tensor: chips of a replica splitting heads, MLP and vocabulary (Megatron-style; 0 or `auto`: the smallest

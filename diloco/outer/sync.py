@@ -97,7 +97,11 @@ class OuterSync:
 
     def subtree(self, params, p: int, starts=None) -> dict:
         """Fragment p of θᵍ in fp32, keyed like the parameters: what the outer optimizer steps."""
-        return self.frags.subtree([x.astype(jnp.float32) for x in self.frags.pieces(params, p, starts)], p)
+        return self.frags.subtree(self.pieces32(params, p, starts), p)
+
+    def pieces32(self, params, p: int, starts=None) -> list[jax.Array]:
+        """Fragment p's pieces of one parameter tree in float32, each in the parameters' own sharding."""
+        return [x.astype(jnp.float32) for x in self.frags.pieces(params, p, starts)]
 
     def bytes_per_replica(self, p: int) -> int:
         """Bytes one replica sends for fragment p, as counted in `bytes_exchanged`: the encoding of its
@@ -116,11 +120,10 @@ class OuterSync:
         `starts`: fragment p's rows read at these (traced) starts, for a program shared by the fragments
         of p's layout (`Fragments.layout`); the same in update and merge. The difference is taken piece by
         piece in the parameters' own sharding; only Δ is flattened (one vector, not θᵍ's and each θ_m's)."""
-        g = [x.astype(jnp.float32) for x in self.frags.pieces(outer.params, p, starts)]
+        g = self.pieces32(outer.params, p, starts)
 
         def one(theta):
-            return jnp.concatenate([(gx - x.astype(jnp.float32)).reshape(-1)
-                                    for gx, x in zip(g, self.frags.pieces(theta, p, starts))])
+            return jnp.concatenate([(gx - x).reshape(-1) for gx, x in zip(g, self.pieces32(theta, p, starts))])
         return jax.vmap(one)(params_R)
 
     @staticmethod
@@ -219,16 +222,14 @@ class OuterSync:
         return self.frags.unpieces(g_params, p, jax.tree_util.tree_leaves(new), starts), opt_p
 
     def merge(self, params_R, outer: OuterState, p: int, mask_R: jax.Array, starts=None):
-        g = [x.astype(jnp.float32) for x in self.frags.pieces(outer.params, p, starts)]
+        g = self.pieces32(outer.params, p, starts)
         return jax.vmap(lambda theta, m: self.merge_one(theta, g, m, p, starts))(params_R, mask_R)
 
     def merge_one(self, theta, g_pieces, m, p: int, starts=None):
         """θ_m,p ← α·θ_m,p + (1−α)·θᵍ_p (where m) for one replica's tree, piece by piece in the parameters'
         own sharding (elementwise: nothing is flattened, so no chip holds more than its share)."""
-        new = []
-        for gx, x in zip(g_pieces, self.frags.pieces(theta, p, starts)):
-            local = x.astype(jnp.float32)
-            new.append(jnp.where(m, self.alpha * local + (1.0 - self.alpha) * gx, local))
+        new = [jnp.where(m, self.alpha * x + (1.0 - self.alpha) * gx, x)
+               for gx, x in zip(g_pieces, self.pieces32(theta, p, starts))]
         return self.frags.unpieces(theta, p, new, starts)
 
 
