@@ -5,8 +5,8 @@ The peak of a compiled program is what XLA's memory analysis says it holds at on
 outputs aliased to donated arguments + temporaries (on one H200 the 35M inner step's prediction was within 0.1 %
 of the allocator's peak_bytes_in_use: results/gpu/README.md). The limit is the device's `bytes_limit`: the pool JAX
 preallocates, XLA_PYTHON_CLIENT_MEM_FRACTION of the card (`diloco train` sets 0.90 unless it is set already; JAX's
-own default is 0.75). Before anything compiles, `estimate_peak` guesses the inner step's peak per remat policy, from
-which resolve.py's `auto` remat picks on a GPU (`choose_remat`)."""
+own default is 0.75). Before anything compiles, `estimate_peak` guesses the inner step's peak per remat policy and
+tensor size, from which resolve.py's `auto` remat (on a GPU: `choose_remat`) and `auto` tensor pick."""
 from __future__ import annotations
 
 import os
@@ -44,9 +44,13 @@ FIT_SHARE = 0.85  # a policy is chosen when its estimate is at most this share o
 def estimate_peak(cfg, policy: str, mesh: tuple, n_params: int, vocab_rows: int) -> int:
     """Bytes per device of a run's inner step under remat `policy` on the mesh (replica, data, fsdp[, tensor]): fp32
     parameters, AdamW moments and gradients of the replicas on a device (and the outer θᵍ, momentum and pending Δ)
-    over fsdp × tensor, plus ACT_BYTES per token of a microbatch (a second gradient buffer with accum_steps > 1);
-    XLA attention's scores (no fused kernel) add 6 bytes per head × position per layer. An estimate (no compile):
-    the preflight checks the compiled programs."""
+    over fsdp × tensor, plus ACT_BYTES per token of a microbatch (a second gradient buffer with accum_steps > 1):
+    the vocabulary rows (logits) split over tensor, the per-layer residuals not (not even under `sequence=tensor`:
+    XLA:TPU keeps them whole, CHANGELOG #40); XLA attention's scores (no fused kernel) add 6 bytes per head ×
+    position per layer, heads split over tensor. The one estimate before anything compiles (resolve.py's `auto`
+    remat and tensor; the preflight checks the compiled programs): 0.5–1.7× the compiled inner step of every row
+    of results/{pod,gpu}/memory.csv (tests/test_gpu_check.py), over 1 only where memory is split more than it
+    credits (GPU, tensor 8), so `auto` tensor errs large."""
     from diloco.model.scales import SCALES
 
     s = SCALES[cfg.scale]
@@ -58,9 +62,9 @@ def estimate_peak(cfg, policy: str, mesh: tuple, n_params: int, vocab_rows: int)
     state = n_params * (12 * r_dev + grads + (0 if R == 1 else 12)) / (fsdp * tensor)
     tokens = cfg.batch_size // R // k * cfg.seq_len * r_dev / (data * fsdp)
     per_vocab, per_layer = ACT_BYTES[policy]
-    per_token = per_vocab * vocab_rows + per_layer * s.layers * s.d_model
+    per_token = per_vocab * vocab_rows / tensor + per_layer * s.layers * s.d_model
     if cfg.model.get("attention", "auto") not in ("auto", "cudnn", "splash") or cfg.model.dtype == "float32":
-        per_token += 6 * s.heads * cfg.seq_len * (s.layers if policy != "full" else 1)
+        per_token += 6 * s.heads / tensor * cfg.seq_len * (s.layers if policy != "full" else 1)
     return int(state + tokens * per_token)
 
 

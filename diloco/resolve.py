@@ -133,9 +133,9 @@ def data_fsdp(cfg, per: int, where: str = "") -> tuple[int, int]:
 
 def tensor_size(cfg, per: int, platform: str = "cpu", hbm: int = 0, here: int = 1) -> tuple[int, str]:
     """(`mesh.tensor` resolved for `per` devices of a replica, why). A size is checked (`check_tensor`); 0 is
-    auto: the smallest size `check_tensor` allows whose mesh takes the batch and whose estimated bytes per chip
-    (`chip_bytes`, `here` replicas on each device) fit `hbm` (bytes per device); 1 on CPU, at the toy scales
-    (memory is not the limit there) and where the device's memory is unknown."""
+    auto: the smallest size `check_tensor` allows whose mesh takes the batch and whose estimated inner-step peak
+    (devmem.estimate_peak under the platform's remat, `here` replicas on each device) fits `hbm` (bytes per
+    device); 1 on CPU, at the toy scales (memory is not the limit there) and where the device's memory is unknown."""
     want = int(cfg.mesh.get("tensor", 1))
     if want:
         check_tensor(cfg, want, per)
@@ -148,7 +148,7 @@ def tensor_size(cfg, per: int, platform: str = "cpu", hbm: int = 0, here: int = 
     for t in (d for d in range(1, per + 1) if per % d == 0):
         try:
             check_tensor(cfg, t, per)
-            need = chip_bytes(cfg, per, t, remat(cfg, platform)[0], here)
+            need = inner_peak(cfg, per, t, remat(cfg, platform)[0], here)
         except ConfigError:
             continue
         ok.append(t)
@@ -159,29 +159,18 @@ def tensor_size(cfg, per: int, platform: str = "cpu", hbm: int = 0, here: int = 
     return t, f"auto: no tensor size fits {hbm / 2**30:.1f} GiB per chip by the estimate; the largest that splits: {t}"
 
 
-def chip_bytes(cfg, per: int, t: int, policy: str, here: int = 1) -> float:
-    """Estimated peak bytes per chip of a run on a replica of `per` devices with tensor `t` (ConfigError when
-    that mesh does not take the batch): fp32 params, gradients and AdamW moments of the `here` replicas on a
-    device over fsdp × tensor, θᵍ + outer momentum + pending likewise; activations of the chip's rows under
-    `policy` (full: one residual per layer and one block's working set; save_dots/none: every block's matmul
-    outputs), heads, MLP and vocabulary split over tensor; attention scores unless splash keeps them in VMEM."""
+def inner_peak(cfg, per: int, t: int, policy: str, here: int = 1) -> int:
+    """devmem.estimate_peak of a replica of `per` devices split tensor `t` × data × fsdp, `here` replicas on each
+    device (ConfigError when that mesh does not take the per-replica batch)."""
+    from diloco.devmem import estimate_peak
     from diloco.model.scales import BYTE_VOCAB, padded_vocab, run_vocab
 
-    s = SCALES[cfg.scale]
     V = padded_vocab(BYTE_VOCAB if cfg.vocab == "byte" else run_vocab(cfg.scale)[1])
-    n = formula_params(cfg.scale, V)
     data, fsdp = data_fsdp(cfg, per // t)
-    rows, left = divmod(cfg.batch_size if cfg.method == "dp" else cfg.batch_size // cfg.replicas, data * fsdp)
-    if left or not rows:
+    if (cfg.batch_size if cfg.method == "dp" else cfg.batch_size // cfg.replicas) % (data * fsdp):
         raise ConfigError("batch_size", f"the per-replica batch does not split over data × fsdp = {data * fsdp}")
-    state = (16 * here + (0 if cfg.method == "dp" else 12)) * n / (fsdp * t)
-    T, L, D, F, H = rows * cfg.seq_len * here, cfg.seq_len, s.d_model, s.mlp_dim, s.heads
-    b = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
-    block = T * b * (6 * D + (3 * D + 2 * F) / t)  # one block's matmul inputs and outputs, q/k/v and MLP split
-    scores = 0 if cfg.model.attention == "splash" or (cfg.model.attention == "auto" and L % SPLASH_BLOCK == 0) \
-        else rows * here * (H / t) * L * L * 4 * 2
-    act = s.layers * T * D * b + block + scores if policy == "full" else s.layers * (block + scores)
-    return state + act + 3 * T * V / t * 4  # fp32 logits, their softmax and gradient
+    R = 1 if cfg.method == "dp" else cfg.replicas
+    return estimate_peak(cfg, policy, (max(R // here, 1), data, fsdp, t), formula_params(cfg.scale, V), V)
 
 
 def device_hbm(device) -> int:

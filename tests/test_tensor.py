@@ -75,7 +75,7 @@ def test_tensor_auto_is_the_smallest_that_fits():
     parameter (fp32 params, gradients, AdamW moments; θᵍ, momentum, pending) over tensor, is 137 GB at tensor 2
     and 68.6 GB at 4, so 4."""
     from diloco.model.scales import formula_params
-    from diloco.resolve import chip_bytes, tensor_size
+    from diloco.resolve import inner_peak, tensor_size
 
     hbm = 95 * 2**30
     cfg = tiny_config("streaming", scale="10B", batch_size=64, seq_len=2048, **{"mesh.tensor": "auto"})
@@ -85,11 +85,11 @@ def test_tensor_auto_is_the_smallest_that_fits():
     t, why = tensor_size(cfg, 64, "tpu", hbm)
     assert t == 2 and why.startswith("auto: the smallest tensor whose estimated peak"), why
     with pytest.raises(ConfigError):
-        chip_bytes(cfg, 64, 1, "full")
+        inner_peak(cfg, 64, 1, "full")
     cfg.mesh.fsdp = 1
     n = formula_params("10B", 384)  # the byte vocabulary's 384 rows (this config's)
-    assert all(chip_bytes(cfg, 64, t, "full") >= 28 * n / t for t in (2, 4, 8))
-    assert 28 * n / 2 > hbm >= chip_bytes(cfg, 64, 4, "full")
+    assert all(inner_peak(cfg, 64, t, "full") >= 28 * n / t for t in (2, 4, 8))
+    assert 28 * n / 2 > hbm >= inner_peak(cfg, 64, 4, "full")
     assert tensor_size(cfg, 64, "tpu", hbm)[0] == 4
     assert tensor_size(cfg, 64, "tpu", 2**30)[1].startswith("auto: no tensor size fits")
 
