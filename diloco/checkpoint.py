@@ -32,7 +32,8 @@ from diloco.noise import native_stderr_captured, silence_stderr
 # The training state's layout, in the sidecar of every checkpoint (none before version 2). 2: the outer
 # optimizer's state of adam/adamw/muon is shaped like each fragment's parameter subtree, not a flat vector.
 # 3: the qkv kernel is D×3×(H·K), was D×3D (the same bytes: restoring a version-2 checkpoint is refused).
-STATE_VERSION = 3
+# 4: nesterov's and sgd's outer momentum is shaped like each fragment's subtree too, was one flat vector.
+STATE_VERSION = 4
 
 
 class CheckpointError(Exception):

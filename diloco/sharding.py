@@ -10,9 +10,8 @@ split over data × fsdp only, the chips of a tensor group read the same rows).
   batch_sharding       P("replica", ("data", "fsdp")): a replica's batch rows over its chips
   parameter leaves     `replica` on the leading axis, the rest by the logical axis rules (`mesh.rules`,
                        diloco/axes.py mesh_rules) through each parameter's names (diloco/model)
-  outer state          θᵍ (and a subtree-shaped outer-optimizer state) like one replica's parameters; flat
-                       per-fragment vectors (pending Δ, nesterov's momentum) over data × fsdp × tensor when
-                       they divide
+  outer state          θᵍ and the outer optimizer's state (over fragment subtrees) like one replica's
+                       parameters; the flat per-fragment pending Δ over data × fsdp × tensor when it divides
 
 `state_shardings(layout, state)` gives the shardings of a whole TrainState-shaped tree.
 """
@@ -120,13 +119,13 @@ class Layout:
             lambda p, x: self.outer_param_sharding(x.shape, self.names_at(p)), tree)
 
     def outer_opt_sharding(self, path, x) -> NamedSharding:
-        """A leaf of the outer optimizer's state: like the parameter it is named after (a subtree-shaped
-        state, diloco/outer/sync.py OuterSync.shaped), else a flat vector's."""
+        """A leaf of the outer optimizer's state (over a fragment's subtree: diloco/outer/sync.py OuterState.opt):
+        like the parameter it is named after, else (a step count) a flat vector's."""
         names = self.names_at(path)
         return self.outer_param_sharding(x.shape, names) if names else self.flat_sharding(x.shape)
 
     def flat_sharding(self, shape) -> NamedSharding:
-        """Outer per-fragment flat vectors (momentum, pending Δ): over data×fsdp(×tensor) when they divide."""
+        """Outer per-fragment flat vectors (pending Δ): over data×fsdp(×tensor) when they divide."""
         axes = inner_axes(self.mesh)
         k = int(np.prod([self.mesh.shape[a] for a in axes]))
         ok = len(shape) == 1 and k > 1 and shape[0] % k == 0

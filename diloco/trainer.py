@@ -31,7 +31,7 @@ from diloco.outer.codecs import codec_from_config
 from diloco.outer import rules
 from diloco.outer.driver import OuterDriver
 from diloco.outer.fragments import make_fragments
-from diloco.outer.sync import LINEAR, OuterState, OuterSync, outer_optimizer
+from diloco.outer.sync import OuterState, OuterSync, outer_optimizer
 from diloco.sharding import Layout, make_mesh
 
 
@@ -114,7 +114,7 @@ class Trainer:
             frags = make_fragments(self.param_shapes, self.mcfg.layers, cfg.layers_per_fragment, cfg.fragments,
                                    cfg.pattern, cfg.embed_fragment)
             sync = OuterSync(frags, codec_from_config(cfg), outer_optimizer(**cfg.outer), cfg.alpha,
-                             self.mesh if self.mesh.shape["replica"] > 1 else None, shaped=cfg.outer.name not in LINEAR)
+                             self.mesh if self.mesh.shape["replica"] > 1 else None)
             # the plan's placement of each send's exchange (diloco/outer/placement.py), the config's rule
             self.driver = OuterDriver(sync, self.plan.schedule,
                                       self.R, cfg.seed, self.plan.exchange,

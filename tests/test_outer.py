@@ -145,7 +145,7 @@ def test_outer_adam_by_name_is_adam_by_hand(name):
     the same averaged Δ (lr 0.1, b1 0.9, b2 0.99, eps 1e-8, weight decay 0.01 for adamw; subtree-shaped)."""
     params = {"block_0": {"w": jnp.array([1.0, -2.0, 0.5])}}
     sync = OuterSync(make_fragments(params, 1), codecs.make_codec("none"),
-                     outer_optimizer(0.1, 0.9, name, b2=0.99, eps=1e-8, weight_decay=0.01), 0.0, shaped=True)
+                     outer_optimizer(0.1, 0.9, name, b2=0.99, eps=1e-8, weight_decay=0.01), 0.0)
     outer, x, m, v = sync.init(params), np.array([1.0, -2.0, 0.5]), 0.0, 0.0
     for t, c in enumerate(([0.3, -0.1], [-0.2, 0.4]), 1):
         params_R = {"block_0": {"w": jnp.asarray(np.stack([x - c[0], x - c[1] * x]), jnp.float32)}}
@@ -158,7 +158,7 @@ def test_outer_adam_by_name_is_adam_by_hand(name):
 
 @pytest.mark.parametrize("name", ["adam", "muon"])
 def test_outer_optimizer_steps_the_fragment_subtree_as_optax_does_by_hand(name):
-    """outer.name=adam/muon: the outer state is shaped like the fragment's parameters (OuterSync.shaped),
+    """outer.name=adam/muon: the outer state is shaped like the fragment's parameters (OuterState.opt),
     so two sends + updates of a fragment of blocks 0 and 2 (and the embedding) equal optax's optimizer
     applied by hand to the subtree of those parameters with the same averaged Δ; muon orthogonalizes
     the (4, 3) kernels (a flat vector would have given every element to its Adam) and Adams the rest."""
@@ -173,7 +173,7 @@ def test_outer_optimizer_steps_the_fragment_subtree_as_optax_does_by_hand(name):
                                 "scale": jnp.asarray(rng.normal(size=(3,)), jnp.float32)} for i in range(3)}}
     frags = make_fragments(params, 3, fragments=2)  # fragment 0: embed, block_0, block_2
     tx = outer_optimizer(0.1, 0.9, name, b2=0.99)
-    sync = OuterSync(frags, codecs.make_codec("none"), tx, 0.0, shaped=True)
+    sync = OuterSync(frags, codecs.make_codec("none"), tx, 0.0)
     sub = lambda t: {k: t[k] for k in ("embed", "block_0", "block_2")}  # noqa: E731
     outer, x = sync.init(params), sub(params)
     ref = tx.init(x)

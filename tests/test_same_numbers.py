@@ -62,11 +62,11 @@ EXPECTED = {
     "streaming_tau2_sequential": "05e744ae1fa9e68fcc2e9d8a7e73206550bfdef3f93234a9669d0f0f2dafec01",
     "streaming_tau2_sequential_in_step": "05e744ae1fa9e68fcc2e9d8a7e73206550bfdef3f93234a9669d0f0f2dafec01",
     "streaming_tau2_sequential_comm": "05e744ae1fa9e68fcc2e9d8a7e73206550bfdef3f93234a9669d0f0f2dafec01",
-    "streaming_tau1_e3m0_chips2": "fb9c9ab33c5e645aff46ec577561635529a2b0fd6dc27c34682083417af746be",
-    "streaming_tau1_fp8_chips2": "0a3f5eee5eea67568f74550a59829abff78ee845b2953d109c700cbc80014776",
+    "streaming_tau1_e3m0_chips2": "848c4a32bb966709c8742e39901b6f2e892129a360517417716ea6ef286beebe",
+    "streaming_tau1_fp8_chips2": "e5e0e3073ce6c7924a664c41a7da151a6903fd11e1772dd2e0a07d5289eb4d6c",
     "scan_streaming_tau1": "dcd00fa3e89b7f7f4bd9c4fb18d9b504b5a162bbc5164b133565fcda37bb9a44",
     "scan_streaming_tau2_sequential": "d5722b3d763d5f6ddf1d88c6c07f23ea7281e00e4ed99bc5ae5d90bb6e3a71f9",
-    "scan_streaming_tau1_e3m0_chips2": "3c331320688337891658614d28f6b16f9ceb3dbc65030e3ad8facf75276caa14",
+    "scan_streaming_tau1_e3m0_chips2": "d612fd958537e1cf79e2a547921fd452ea96768599e15271f05b6876e6c7dd0b",
 }
 # The same commit (1fae91b, the code of the table above) on a second machine class: AMD EPYC, AVX2 without
 # AVX-512, Python 3.11.7 built 2026-05-09. The probe prints the same FINGERPRINT there and on the third
@@ -85,11 +85,8 @@ EXPECTED_AVX2 = {
     "streaming_tau2_sequential": "eadbb0cdd078582fd0dfba9422edc1b2633240d099b121379195ef82a3fe2c02",
     "streaming_tau2_sequential_in_step": "eadbb0cdd078582fd0dfba9422edc1b2633240d099b121379195ef82a3fe2c02",
     "streaming_tau2_sequential_comm": "eadbb0cdd078582fd0dfba9422edc1b2633240d099b121379195ef82a3fe2c02",
-    "streaming_tau1_e3m0_chips2": "38f21fcda7c9f26acf48115f13ad3b26c728f78bec0e2b9fd8b8ce5306fab127",
-    "streaming_tau1_fp8_chips2": "f268d374bc42009e75fb2b20a599bb12758db2dbf320f6745a81cd131fa3860d",
     "scan_streaming_tau1": "2af52599ea6cd7ecb43b7f7e72240cceea7706ef7307881fb56aaaf00e8418dd",
     "scan_streaming_tau2_sequential": "1e6f72ec334d3b816895964d6039383ed514eec695609fbd3d7973d8ffff77a3",
-    "scan_streaming_tau1_e3m0_chips2": "bb1643aee28143be9015c76f400cb5632992146617ee9d68e5550e484b7515d6",
 }
 # A third machine class (#43): AMD EPYC with AVX-512, the same pyenv Python 3.11.7 build as the AVX2 machine.
 # Recorded at 1fae91b (the code of both tables above) with the interpreter's stdlib, and equal, run for run,
@@ -105,12 +102,13 @@ EXPECTED_AVX512_EPYC = {
     "streaming_tau2_sequential": "44413e999bc5a40d1a4e962db341be2f7bb8ad8f22cf39346e38519f024437c9",
     "streaming_tau2_sequential_in_step": "44413e999bc5a40d1a4e962db341be2f7bb8ad8f22cf39346e38519f024437c9",
     "streaming_tau2_sequential_comm": "44413e999bc5a40d1a4e962db341be2f7bb8ad8f22cf39346e38519f024437c9",
-    "streaming_tau1_e3m0_chips2": "d430433a97e9e26807f728b7f7c2810ba3a98e1238e517489f6f9b25a9508a6a",
-    "streaming_tau1_fp8_chips2": "01fc200c68a945abe06ab01479953956e213af9b837064b329d7a7f15f02676a",
     "scan_streaming_tau1": "116612137d777fad9e9677c6eafd4603d030ed1d20489b80b57f44d351349da7",
     "scan_streaming_tau2_sequential": "354b67fbdb6e1186b5cf709fa36b1feda6f0e13253987e478c548b008c6cfb27",
-    "scan_streaming_tau1_e3m0_chips2": "0040f4acbe97d185a381c2c2c0ef1acd91e7b0e5fd8ead1e077feeedc55e1b23",
 }
+# The `chips2` rows were re-recorded on the first class only (Intel Xeon, AVX-512) when Nesterov's outer momentum
+# became a tree shaped like θᵍ (#38/#40, STATE_VERSION 4): with 2 chips per replica the update runs on θᵍ's
+# layout instead of the flat vector's, and XLA:CPU rounds 2–5 % of the parameters 1 ulp apart (|Δθ| ≤ 6.0e-8 after
+# 8 steps, the eval loss equal to 7 digits; CHANGELOG). The other classes check their other 11 runs.
 TABLES = {"recorded machine (#30)": EXPECTED, "AMD EPYC, AVX2": EXPECTED_AVX2, "AMD EPYC, AVX-512": EXPECTED_AVX512_EPYC}
 
 SCRIPT = r"""
@@ -170,11 +168,12 @@ def test_params_sha256_of_every_method_and_placement_is_the_recorded_one(tmp_pat
         for suffix in ("_in_step", "_comm"):
             if name.endswith(suffix):
                 assert got[name] == got[name[:-len(suffix)]], name
-    if got in TABLES.values():  # one recorded machine's table, whole: every run's numbers unchanged
+    if any(all(got[n] == h for n, h in table.items()) for table in TABLES.values()):  # one class's table, whole
         return
     if fingerprint != FINGERPRINT:  # another instruction set: other roundings, other hashes
         pytest.skip(f"XLA:CPU here rounds a fixed probe program differently ({fingerprint[:12]}) from the "
                     f"machines the tables were recorded on ({FINGERPRINT[:12]}): only the placements' equality "
                     "was checked; the printed table is this machine's")
-    closest = min(TABLES, key=lambda m: sum(got[n] != TABLES[m][n] for n in RUNS))
-    assert got == TABLES[closest], f"the numbers moved (compared with the table of the {closest})"
+    closest = min(TABLES, key=lambda m: sum(got[n] != h for n, h in TABLES[m].items()))
+    assert {n: got[n] for n in TABLES[closest]} == TABLES[closest], \
+        f"the numbers moved (compared with the table of the {closest})"

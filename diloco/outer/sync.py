@@ -37,8 +37,8 @@ from diloco.outer.fragments import Fragments
 @struct.dataclass
 class OuterState:
     params: Any                  # θᵍ: the model's parameter tree, no replica axis
-    opt: tuple                   # one outer-optimizer (optax) state per fragment: over its flat fp32 vector
-                                 # (nesterov, sgd) or its parameter subtree (OuterSync.shaped: adam, adamw, muon)
+    opt: tuple                   # one outer-optimizer (optax) state per fragment, over its parameter subtree
+                                 # (fp32, sharded like θᵍ: diloco/sharding.py outer_param_shardings)
     pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
     extra: Any = None            # the send rule's buffers (diloco/outer/rules.py Extra); None for plain sends
 
@@ -56,7 +56,7 @@ OUTER_OPTIMIZERS = {
         lr, beta=mu, eps=eps, weight_decay=weight_decay, adam_b1=mu, adam_b2=b2,
         muon_weight_dimension_numbers=muon_matrices),
 }
-LINEAR = ("nesterov", "sgd")  # elementwise too: their state stays one flat vector per fragment (same numbers)
+LINEAR = ("nesterov", "sgd")
 
 
 def muon_matrices(tree):
@@ -87,12 +87,10 @@ class OuterSync:
     tx: optax.GradientTransformation
     alpha: float
     mesh: Mesh | None = None  # None: no collectives (single device, replicas on one array axis)
-    shaped: bool = False      # the optimizer steps fragment subtrees (outer.name not in LINEAR), not flat vectors
 
     def init(self, params) -> OuterState:
         P = range(self.frags.P)
-        view = self.subtree if self.shaped else self.frags.flatten
-        return OuterState(params=params, opt=tuple(self.tx.init(view(params, p)) for p in P),
+        return OuterState(params=params, opt=tuple(self.tx.init(self.subtree(params, p)) for p in P),
                           pending=tuple(jnp.zeros((self.frags.sizes[p],), jnp.float32) for p in P))
 
     def subtree(self, params, p: int, starts=None) -> dict:
@@ -209,13 +207,9 @@ class OuterSync:
         return outer.replace(params=params, opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
 
     def outer_step(self, g_params, opt_p, pending_n: jax.Array, p: int, starts=None):
-        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state).
-        `shaped`: both as fragment p's subtree (the flat Δ cut to its pieces' shapes), so a matrix-aware
-        optimizer (muon) sees matrices; else both flat."""
-        if not self.shaped:
-            g_n = self.frags.flatten(g_params, p, starts)
-            upd_n, opt_p = self.tx.update(pending_n, opt_p, g_n)
-            return self.frags.unflatten(g_params, p, g_n + upd_n, starts), opt_p
+        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state), both
+        as fragment p's subtree (the flat Δ cut to its pieces' shapes), so a matrix-aware optimizer (muon) sees
+        matrices and no chip holds more of θᵍ or the optimizer's state than its share."""
         g = self.subtree(g_params, p, starts)
         upd, opt_p = self.tx.update(self.frags.subtree(self.frags.split(pending_n, p), p), opt_p, g)
         new = jax.tree_util.tree_map(jnp.add, g, upd)
