@@ -49,8 +49,8 @@ def estimate_peak(cfg, policy: str, mesh: tuple, n_params: int, vocab_rows: int)
     XLA:TPU keeps them whole, CHANGELOG #40); XLA attention's scores (no fused kernel) add 6 bytes per head ×
     position per layer, heads split over tensor. The one estimate before anything compiles (resolve.py's `auto`
     remat and tensor; the preflight checks the compiled programs): 0.5–1.7× the compiled inner step of every row
-    of results/{pod,gpu}/memory.csv (tests/test_gpu_check.py), over 1 only where memory is split more than it
-    credits (GPU, tensor 8), so `auto` tensor errs large."""
+    of results/{pod,gpu}/memory.csv (tests/test_gpu_check.py); the largest miss, 1.66× at 1B tensor 8 on H200s, is
+    XLA splitting more activations over tensor than it credits (there `auto` tensor errs large)."""
     from diloco.model.scales import SCALES
 
     s = SCALES[cfg.scale]
