@@ -163,14 +163,20 @@ def inner_peak(cfg, per: int, t: int, policy: str, here: int = 1) -> int:
     """devmem.estimate_peak of a replica of `per` devices split tensor `t` × data × fsdp, `here` replicas on each
     device (ConfigError when that mesh does not take the per-replica batch)."""
     from diloco.devmem import estimate_peak
-    from diloco.model.scales import BYTE_VOCAB, padded_vocab, run_vocab
 
-    V = padded_vocab(BYTE_VOCAB if cfg.vocab == "byte" else run_vocab(cfg.scale)[1])
     data, fsdp = data_fsdp(cfg, per // t)
     if (cfg.batch_size if cfg.method == "dp" else cfg.batch_size // cfg.replicas) % (data * fsdp):
         raise ConfigError("batch_size", f"the per-replica batch does not split over data × fsdp = {data * fsdp}")
     R = 1 if cfg.method == "dp" else cfg.replicas
-    return estimate_peak(cfg, policy, (max(R // here, 1), data, fsdp, t), formula_params(cfg.scale, V), V)
+    return estimate_peak(cfg, policy, (max(R // here, 1), data, fsdp, t), *params_and_rows(cfg))
+
+
+def params_and_rows(cfg) -> tuple[int, int]:
+    """(parameters, padded vocabulary rows) of the run's scale and vocabulary: what devmem's estimate takes."""
+    from diloco.model.scales import BYTE_VOCAB, padded_vocab, run_vocab
+
+    V = padded_vocab(BYTE_VOCAB if cfg.vocab == "byte" else run_vocab(cfg.scale)[1])
+    return formula_params(cfg.scale, V), V
 
 
 def device_hbm(device) -> int:
@@ -253,10 +259,8 @@ def remat(cfg, platform: str, shape: tuple | None = None, limit: int | None = No
         return "none", "a toy scale: memory is not the limit"
     if platform == "gpu" and shape is not None and limit:
         from diloco.devmem import choose_remat
-        from diloco.model.scales import BYTE_VOCAB, padded_vocab, run_vocab
 
-        V = padded_vocab(BYTE_VOCAB if cfg.vocab == "byte" else run_vocab(cfg.scale)[1])
-        return choose_remat(cfg, shape, limit, formula_params(cfg.scale, V), V)
+        return choose_remat(cfg, shape, limit, *params_and_rows(cfg))
     return "full", f"{platform}, a paper scale" + (" (the GPU's memory unknown)" if platform == "gpu" else "") + \
         ": recompute every block"
 
