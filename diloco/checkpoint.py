@@ -33,7 +33,8 @@ from diloco.noise import native_stderr_captured, silence_stderr
 # optimizer's state of adam/adamw/muon is shaped like each fragment's parameter subtree, not a flat vector.
 # 3: the qkv kernel is D×3×(H·K), was D×3D (the same bytes: restoring a version-2 checkpoint is refused).
 # 4: nesterov's and sgd's outer momentum is shaped like each fragment's subtree too, was one flat vector.
-STATE_VERSION = 4
+# 5: the pending averaged Δ is each fragment's subtree (sharded like θᵍ), was one flat vector per fragment.
+STATE_VERSION = 5
 
 
 class CheckpointError(Exception):

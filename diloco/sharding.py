@@ -10,8 +10,8 @@ split over data × fsdp only, the chips of a tensor group read the same rows).
   batch_sharding       P("replica", ("data", "fsdp")): a replica's batch rows over its chips
   parameter leaves     `replica` on the leading axis, the rest by the logical axis rules (`mesh.rules`,
                        diloco/axes.py mesh_rules) through each parameter's names (diloco/model)
-  outer state          θᵍ and the outer optimizer's state (over fragment subtrees) like one replica's
-                       parameters; the flat per-fragment pending Δ over data × fsdp × tensor when it divides
+  outer state          θᵍ, the outer optimizer's state and the pending Δ (fragment subtrees) like one
+                       replica's parameters; the rules' flat buffers (diloco/outer/rules.py shardings)
 
 `state_shardings(layout, state)` gives the shardings of a whole TrainState-shaped tree.
 """
@@ -154,7 +154,7 @@ class Layout:
         return traced
 
     def state_shardings(self, state: Any) -> Any:
-        """The shardings of a TrainState-shaped tree (params/opt replica-stacked; outer θᵍ, flat vectors)."""
+        """The shardings of a TrainState-shaped tree (params/opt replica-stacked; the outer state's)."""
         from diloco.outer import rules
 
         rep = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
@@ -162,10 +162,9 @@ class Layout:
             tree)
         outer = None
         if state.outer is not None:
-            flat = lambda tree: jax.tree_util.tree_map(lambda x: self.flat_sharding(x.shape), tree)  # noqa: E731
             outer = state.outer.replace(
                 params=self.outer_param_shardings(state.outer.params),
                 opt=jax.tree_util.tree_map_with_path(self.outer_opt_sharding, state.outer.opt),
-                pending=flat(state.outer.pending),
+                pending=self.outer_param_shardings(state.outer.pending),
                 extra=rules.shardings(state.outer.extra, self.mesh))
         return state.replace(params=rep(state.params), opt=rep(state.opt), step=self.replicated_sharding, outer=outer)

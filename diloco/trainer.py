@@ -113,13 +113,15 @@ class Trainer:
         if not self.is_dp:
             frags = make_fragments(self.param_shapes, self.mcfg.layers, cfg.layers_per_fragment, cfg.fragments,
                                    cfg.pattern, cfg.embed_fragment)
+            specs = tuple(self.layout.logical_spec(self.layout.names_at(path), tuple(x.shape))  # each chip's blocks
+                          for path, x in jax.tree_util.tree_flatten_with_path(self.param_shapes)[0])
             sync = OuterSync(frags, codec_from_config(cfg), outer_optimizer(**cfg.outer), cfg.alpha,
-                             self.mesh if self.mesh.shape["replica"] > 1 else None)
+                             self.mesh if self.mesh.shape["replica"] > 1 else None, specs)
             # the plan's placement of each send's exchange (diloco/outer/placement.py), the config's rule
             self.driver = OuterDriver(sync, self.plan.schedule,
                                       self.R, cfg.seed, self.plan.exchange,
                                       self._overlap(sync, comm_devices, timeline), self.constrain,
-                                      pin_flat=self.pin_flat, inner_step=self.inner_step, check=check,
+                                      pin=self.pin_pending, inner_step=self.inner_step, check=check,
                                       rule=rules.make_rule(cfg))
         self._jit: dict[Any, Any] = {}
 
@@ -186,9 +188,9 @@ class Trainer:
             sh = self.shardings(state)
         return jax.lax.with_sharding_constraint(state, sh)
 
-    def pin_flat(self, x_n: jax.Array) -> jax.Array:
-        """Inside a jitted program: a per-fragment flat vector (pending Δ) in the state's layout for it."""
-        return jax.lax.with_sharding_constraint(x_n, self.layout.flat_sharding(x_n.shape))
+    def pin_pending(self, avg):
+        """Inside a jitted program: a fragment's averaged Δ (its subtree) in θᵍ's layout, as the pending slot."""
+        return jax.lax.with_sharding_constraint(avg, self.layout.outer_param_shardings(avg))
 
     def abstract_state(self) -> TrainState:
         shapes = self.state_shapes()

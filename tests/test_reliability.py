@@ -228,7 +228,7 @@ def with_leaf(tree, name: str, leaf) -> dict:
 
 
 @pytest.mark.parametrize("change,named", [
-    ("version", "its state is version 1, this diloco's is version 4 (the state has params.c that the checkpoint"),
+    ("version", "its state is version 1, this diloco's is version 5 (the state has params.c that the checkpoint"),
     ("gained", "the state has params.c that the checkpoint lacks"),
     ("lost", "the checkpoint has params.b that the state lacks"),
     ("shape", "params.w is float32[4096] in the checkpoint, float32[4097] in the state"),

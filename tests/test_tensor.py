@@ -103,7 +103,7 @@ from diloco.checkpoint import Checkpointer
 CK = sys.argv[1]
 RTOL = 2e-6  # the test's docstring says why
 def cfg_for(method, data, fsdp, tensor, rules="batch=data+fsdp,embed=fsdp"):
-    kw = dict(H=4, layers_per_fragment=1, tau=1, codec="e3m0") if method == "streaming" else {}
+    kw = dict(H=4, layers_per_fragment=1, tau=1, codec="e3m0", codec_block_size=4) if method == "streaming" else {}
     if method == "diloco":
         kw = dict(H=3)
     return tiny_config(method, batch_size=16, **kw, **{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "mesh.rules": rules})
@@ -132,18 +132,22 @@ assert dict(ref.mesh.shape) == {"replica": 2, "data": 4, "fsdp": 1, "tensor": 1}
 a, ce_a, sent_a = run(ref, ref.fresh_state(), range(1, 10))
 tp = Trainer(cfg_for("streaming", -1, 1, 2), devices=jax.devices())
 assert dict(tp.mesh.shape) == {"replica": 2, "data": 2, "fsdp": 1, "tensor": 2}
+chip_wire = lambda tr: all(tr.driver.sync.chip_wire(p) for p in range(tr.driver.P))  # each chip sends its blocks
+assert chip_wire(ref) and chip_wire(tp)
 st, ce_b1, sent_b1 = run(tp, tp.fresh_state(), range(1, 6))
 mlp_in = next(x for p, x in jax.tree_util.tree_leaves_with_path(st.params) if "mlp_in" in jax.tree_util.keystr(p))
 assert tuple(mlp_in.sharding.spec) == ("replica", None, "tensor"), mlp_in.sharding.spec
 assert mlp_in.addressable_shards[0].data.size * 4 == mlp_in.size  # a replica's half, its tensor half
-assert tuple(st.outer.pending[0].sharding.spec) == (("data", "tensor"),), st.outer.pending[0].sharding.spec
+path, pend = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(st.outer.pending[0]) if "mlp_in" in jax.tree_util.keystr(p))
+g_leaf = next(x for p, x in jax.tree_util.tree_leaves_with_path(st.outer.params) if jax.tree_util.keystr(p) == jax.tree_util.keystr(path))
+assert "tensor" in tuple(pend.sharding.spec) and pend.sharding.spec == g_leaf.sharding.spec, pend.sharding  # laid out like θᵍ
 ck = Checkpointer(CK, 2); ck.save(5, st, {}); ck.close()
 b, ce_b2, sent_b2 = run(tp, st, range(6, 10))
 ce_b = np.concatenate([ce_b1, ce_b2])
 np.testing.assert_allclose(ce_b, ce_a, rtol=RTOL); assert sent_b1 + sent_b2 == sent_a; same(a, b)
 worst = max(worst, float(np.abs(ce_b / ce_a - 1).max()))
 t22 = Trainer(cfg_for("streaming", 1, 2, 2, "batch=data+fsdp,embed=fsdp,sequence=tensor"), devices=jax.devices())
-assert dict(t22.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 2, "tensor": 2}
+assert dict(t22.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 2, "tensor": 2} and chip_wire(t22)
 c, ce_c, sent_c = run(t22, t22.fresh_state(), range(1, 10))
 np.testing.assert_allclose(ce_c, ce_a, rtol=RTOL); assert sent_c == sent_a; same(a, c)
 worst = max(worst, float(np.abs(ce_c / ce_a - 1).max()))
@@ -156,7 +160,7 @@ d, ce_d, sent_d = run(ref, st1, range(6, 10))
 np.testing.assert_allclose(ce_d, ce_b2, rtol=RTOL); assert sent_d == sent_b2; same(b, d)
 # toy (4 heads): a tensor-2 checkpoint resumes at tensor 4 as tensor 2 continues
 def toy(tensor):
-    return tiny_config("streaming", scale="toy", H=4, layers_per_fragment=2, tau=1, codec="e3m0", batch_size=16,
+    return tiny_config("streaming", scale="toy", H=4, layers_per_fragment=2, tau=1, codec="e3m0", batch_size=16, codec_block_size=4,
                        **{"mesh.data": -1, "mesh.fsdp": 1, "mesh.tensor": tensor})
 t2 = Trainer(toy(2), devices=jax.devices())
 st, _, _ = run(t2, t2.fresh_state(), range(1, 4))
@@ -164,7 +168,7 @@ saved = jax.tree_util.tree_map(np.asarray, st)
 ck = Checkpointer(CK + "_toy", 2); ck.save(3, st, {}); ck.close()
 e, ce_e, sent_e = run(t2, st, range(4, 7))
 t4 = Trainer(toy(4), devices=jax.devices())
-assert dict(t4.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 1, "tensor": 4}
+assert dict(t4.mesh.shape) == {"replica": 2, "data": 1, "fsdp": 1, "tensor": 4} and chip_wire(t4)
 ck = Checkpointer(CK + "_toy", 2); _, st4, _ = ck.restore(t4.abstract_state()); ck.close()
 for x, y in zip(jax.tree_util.tree_leaves(saved), jax.tree_util.tree_leaves(st4)):
     assert np.array_equal(x, np.asarray(y))
@@ -180,7 +184,8 @@ def test_tensor_two_gives_the_numbers_of_tensor_one_and_its_checkpoint_resumes_a
     """On 8 fake CPU devices (2 replicas of 4 chips), tiny scale: dp, diloco and Streaming (τ = 1, E3M0) with
     tensor 2 (data 2, and data 1 × fsdp 2 with sequence parallelism for Streaming) give tensor 1's per-replica losses row by row within
     2e-6 relative, the same bytes counted, and θᵍ within 2e-5; the parameters are split over tensor (mlp_in's
-    columns) and the pending Δ over data × tensor. A checkpoint written at tensor 2 restores at tensor 1 bit for
+    columns) and the pending Δ like θᵍ; with E3M0 blocks of 4 every chip's share of every piece is whole blocks,
+    so each chip encodes and exchanges the blocks it holds (`chip_wire`). A checkpoint written at tensor 2 restores at tensor 1 bit for
     bit (orbax reshards) and continues as tensor 2 does; at the toy scale (4 heads) one restores at tensor 4 so.
 
     The bound: tensor 2 sums attn_out's and mlp_out's products (16 and 64 terms a chip) and the vocabulary's

@@ -189,9 +189,12 @@ def report(cfg, topology: str, slices: int = 1, only: set[str] | None = None, hl
                                   if tr.driver is not None else {}),
             "wire_bytes_per_replica": ({p: tr.sync.wire_bytes_per_replica(p) for p in range(tr.driver.P)}
                                        if tr.driver is not None else {}),
-            # chips of a replica that split each fragment's exchange (1: every chip moves all of it)
+            # chips of a replica that split each fragment's exchange (1: every chip moves all of it), and
+            # whether each encodes the blocks it holds ("chips") or a slice of the canonical vector ("flat")
             "exchange_shards": ({p: tr.sync.shards(tr.sync.frags.sizes[p]) for p in range(tr.driver.P)}
-                                if tr.driver is not None else {})}
+                                if tr.driver is not None else {}),
+            "exchange_wire": ({p: "chips" if tr.sync.chip_wire(p) else "flat" for p in range(tr.driver.P)}
+                              if tr.driver is not None else {})}
 
 
 def _group(g: list[int]) -> str:

@@ -193,7 +193,8 @@ class Learner:
             sync, M, m = self.sync, self.cfg.replicas, self.m
             if kind == "encode":  # Δ of the one replica, encoded with the SPMD run's key for replica m
                 def f(state, key):
-                    return codecs.encode(sync.codec, sync.delta(state.params, state.outer, p)[0], jax.random.split(key, M)[m])
+                    return codecs.encode(sync.codec, sync.flat(sync.delta(state.params, state.outer, p))[0],
+                                         jax.random.split(key, M)[m])
             elif kind == "theta":  # θᵍ_p from the synchronizer into the outer params
                 def f(state, theta_n):
                     return state.replace(outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,

@@ -107,7 +107,7 @@ class Synchronizer:
                     return (dec_Rxn * w_R[:, None]).sum(0) / jnp.maximum(w_R.sum(), 1.0)
             elif kind == "step":
                 def f(params, opt_p, avg_n):
-                    params, opt_p = sync.outer_step(params, opt_p, avg_n, p)
+                    params, opt_p = sync.outer_step(params, opt_p, sync.unflat(avg_n, p), p)
                     return params, opt_p, sync.frags.flatten(params, p)
             elif kind == "quantize":  # the update since θᵍ_p's last round, plus what earlier answers left out
                 def f(old_n, new_n, resid_n, key):

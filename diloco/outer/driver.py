@@ -35,7 +35,7 @@ from diloco.outer.sync import OuterSync
 class OuterDriver:
     def __init__(self, sync: OuterSync, schedule: Schedule, R: int, seed: int, placement: str = "blocking",
                  overlap=None, constrain: Callable[[Any], Any] | None = None,
-                 pin_flat: Callable[[Any], Any] | None = None, inner_step: Callable | None = None,
+                 pin: Callable[[Any], Any] | None = None, inner_step: Callable | None = None,
                  check: Check | None = None, rule=None):
         """`placement`: where each send's exchange runs (diloco/outer/placement.py; `comm_device` takes
         the `overlap` exchange); `inner_step(active, jitted=True)`: the trainer's inner step; `check`:
@@ -46,7 +46,7 @@ class OuterDriver:
             raise ValueError("the in_step placement needs tau ≥ 1 (the average lands on the next step)")
         self.sync, self.schedule, self.R = sync, schedule, R
         self.constrain = constrain or (lambda state: state)  # pins each program's output to the state's layout
-        self.pin_flat = pin_flat or (lambda x: x)            # the same for a fragment's averaged Δ
+        self.pin = pin or (lambda x: x)                      # the same for a fragment's averaged Δ (its subtree)
         kw = {"overlap": overlap} if placement == "comm_device" else {}
         self.placement = PLACEMENTS[placement](self, inner_step, check, **kw)
         self.base_key = jax.random.PRNGKey(seed + 1)
@@ -119,11 +119,11 @@ class OuterDriver:
             sync, rep = self.sync, p  # traced for the first fragment asked for; the others pass their starts
             group = next(g for g in sync.frags.groups() if p in g)
             shared = len(group) > 1  # a fragment alone in its layout keeps static rows (no dynamic slices)
-            rule, pin = self.rule, self.pin_flat
+            rule, pin = self.rule, self.pin
             if kind in ("send", "local", "land"):  # fragment p's view (rules.view); its pending slot donated
-                def f(state0, pending_n, starts, *rest):
+                def f(state0, pending, starts, *rest):
                     starts = starts if shared else None
-                    st = state0.replace(outer=state0.outer.replace(pending=(pending_n,)))
+                    st = state0.replace(outer=state0.outer.replace(pending=(pending,)))
                     if kind == "land":
                         return self.constrain(st.replace(outer=rule.land(st.outer, *rest)))
                     if kind == "local":
@@ -134,9 +134,9 @@ class OuterDriver:
                     return v.pending[0] if rule.stateless else self.constrain(st.replace(params=params_R, outer=v))
                 donate_argnums = () if not donate else (0, 1) if not rule.stateless else (1,) if kind == "send" else ()
             elif kind == "update":  # the state without pending, fragment p's optax state as its only opt
-                def f(state1, pending_n, starts):
+                def f(state1, pending, starts):
                     starts = starts if shared else None
-                    params, opt_p = sync.outer_step(state1.outer.params, state1.outer.opt[0], pending_n, rep, starts)
+                    params, opt_p = sync.outer_step(state1.outer.params, state1.outer.opt[0], pending, rep, starts)
                     return self.constrain(state1.replace(outer=state1.outer.replace(params=params, opt=(opt_p,))))
                 donate_argnums = (0,) if donate else ()
             elif kind == "merge":
@@ -163,18 +163,18 @@ class OuterDriver:
 
             rule = self.rule
 
-            def f(state, pending_n, tokens, starts, key, contrib_R, *poison):
+            def f(state, pending, tokens, starts, key, contrib_R, *poison):
                 starts = starts if shared else None
-                params_R, v, target = rule.local(sync, state.params, state.outer.replace(pending=(pending_n,)),
+                params_R, v, target = rule.local(sync, state.params, state.outer.replace(pending=(pending,)),
                                                  rep, key, contrib_R, starts)  # from the step's input
                 # The barrier makes the payload a value the step cannot reach into: without it XLA fused Δ's
                 # reads of the parameters with the forward pass's (a multi-output fusion with the
                 # last matmul), so the exchange waited for the whole forward/backward (seen on TPU
                 # with nn.scan). Identity on values: the numbers do not change.
                 target, state = jax.lax.optimization_barrier((target, state.replace(params=params_R, outer=v)))
-                avg_n = self.pin_flat(sync.average(target, key, contrib_R))
+                avg = self.pin(sync.average(target, key, contrib_R, rep))
                 new, ce_R, fin_R = step(state, tokens, *poison)
-                return self.constrain(new.replace(outer=rule.land(new.outer, avg_n))), ce_R, fin_R
+                return self.constrain(new.replace(outer=rule.land(new.outer, avg))), ce_R, fin_R
 
             f.__name__ = program_name("step+send", group)
             self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0, 1))
@@ -235,17 +235,17 @@ class FragmentProgram:
         alone, donated where the program writes a new one over it (no second (n_p,) buffer beside the
         old one); `update` reads p's pending slot and optax state; `merge` takes the whole state."""
         outer, p = state.outer, self.p
-        pending_n = outer.pending[p]
+        pending = outer.pending[p]
         if self.kind == "update":  # p's optax state as the only opt
             bare = state.replace(outer=outer.replace(pending=()))
-            return bare.replace(outer=bare.outer.replace(opt=(outer.opt[p],))), pending_n, self.starts
+            return bare.replace(outer=bare.outer.replace(opt=(outer.opt[p],))), pending, self.starts
         if self.kind == "merge":
             return (state, self.starts, *rest)
         v = state.replace(outer=rules.view(outer, p).replace(pending=()))
         if self.kind == "step+send":
             tokens, *rest = rest
-            return (v, pending_n, tokens, self.starts, *rest)
-        return (v, pending_n, self.starts, *rest)
+            return (v, pending, tokens, self.starts, *rest)
+        return (v, pending, self.starts, *rest)
 
     def __call__(self, state, *rest):
         out = self.jitted(*self.args(state, *rest))
@@ -294,8 +294,8 @@ def replica_finite(params_R):
 
 
 @jax.jit
-def _count_bad(x):
-    return (~jnp.isfinite(x)).sum()
+def _count_bad(tree):
+    return sum((~jnp.isfinite(x)).sum() for x in jax.tree_util.tree_leaves(tree))
 
 
 def check_pending_finite(state, p: int, t: int, last_ckpt: int = 0, finite_R=None) -> None:

@@ -15,6 +15,7 @@ does, so checkpoints and resume are unchanged (everything in flight lands before
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -82,10 +83,10 @@ class OverlappedExchange:
             jax, sync = self.jax, self.sync
 
             def prep(params_R, outer, key, contrib_R):
-                delta = sync.delta(params_R, outer, p)
-                return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
+                return prep_given(sync.delta(params_R, outer, p), key, contrib_R)
 
-            def prep_given(delta, key, contrib_R):
+            def prep_given(delta, key, contrib_R):  # one device a replica: the canonical vector is free
+                delta = delta if hasattr(delta, "shape") else sync.flat(delta)
                 return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
 
             self._prep[(p, given)] = jax.jit(prep_given if given else prep,
@@ -119,7 +120,8 @@ class OverlappedExchange:
 
     # -- land --------------------------------------------------------------------------------------
     def land(self, p: int, t: int | None = None):
-        """Wait for fragment p (if in flight): (average on the compute mesh, replicated; its InFlight),
+        """Wait for fragment p (if in flight): (average on the compute mesh, replicated, as fragment p's
+        subtree; its InFlight),
         or (None, None) when nothing was in flight (e.g. a resumed run whose checkpoint holds it)."""
         jax = self.jax
         rec = self.inflight.pop(p, None)
@@ -132,4 +134,7 @@ class OverlappedExchange:
         if self.timeline is not None:
             self.timeline.add("apply_wait", step=t if t is not None else rec.step, fragment=p, waited_s=waited)
         bufs = [jax.device_put(local, d) for d in self.replicated_sharding.addressable_devices]
-        return jax.make_array_from_single_device_arrays(local.shape, self.replicated_sharding, bufs), rec
+        avg = jax.make_array_from_single_device_arrays(local.shape, self.replicated_sharding, bufs)
+        if ("unflat", p) not in self._x:  # fragment p's subtree (the pending slot), one program
+            self._x[("unflat", p)] = jax.jit(functools.partial(self.sync.unflat, p=p))
+        return self._x[("unflat", p)](avg), rec

@@ -2,11 +2,12 @@
 takes a rule and returns one). A send of fragment p after inner step t is
 
   local(…)   everything without traffic: Δ (or what the rule sends), residuals, the rule's bookkeeping;
-             returns the payload each replica encodes, (R, n_p)
+             returns the payload each replica encodes: fragment p's subtree with a replica axis (Plain:
+             each chip encodes the blocks it holds), or the canonical (R, n_p) vector (a rule with flat buffers)
   exchange   encode → all-gather over `replica` → decode → FP32 average (`OuterSync.average`): the
              placement's business (diloco/outer/placement.py: now, on the next step's program, or on the
              comm devices)
-  land(…)    where the average is written: fragment p's pending slot (and the rule's buffers)
+  land(…)    where the average (fragment p's subtree) is written: its pending slot (and the rule's buffers)
 
 then the outer update and merge follow the schedule (diloco/outer/driver.py), unless the rule did its
 round itself (`round_in_send`). The rules:
@@ -20,7 +21,8 @@ round itself (`round_in_send`). The rules:
 A rule sees ONE fragment: the outer state's per-fragment tuples (opt, pending, Extra's) cut to fragment
 p's slots (`view`; `put` writes them back), and the fragment's rows at `starts` (a program shared by
 the fragments of a layout, `Fragments.layout`), so every rule's programs are per layout, not per
-fragment. `Extra` (OuterState.extra, checkpointed; None for Plain):
+fragment. `Extra` (OuterState.extra, checkpointed; None for Plain) keeps canonical flat vectors (pieces
+end to end), so a rule with buffers flattens Δ (a regather when the chips of a replica split it 2-D):
 
   residual[p]   (R, n_p) f32   error feedback: what each replica meant to send and the codec did not
   avg[p]        (D, n_p) f32   eager: the averaged Δ of fragment p's last D rounds, oldest first
@@ -74,6 +76,11 @@ def put(outer, p: int, v):
                              **{f: _put(getattr(ex, f), p, getattr(v.extra, f)) for f in SLOTS}))
 
 
+def flat1(tree) -> jax.Array:
+    """A fragment subtree (no replica axis) as its canonical vector (n_p,)."""
+    return jnp.concatenate([x.reshape(-1) for x in jax.tree_util.tree_leaves(tree)])
+
+
 def decoded(codec, target_Rxn, key):
     """What the receivers decode of each replica's payload (the same keys as OuterSync.average)."""
     if codec.name == "none":
@@ -99,8 +106,8 @@ class Plain:
         target, _, v = encode(sync, v, sync.delta(params_R, v, p, starts), key, contrib_R, False)
         return params_R, v, target
 
-    def land(self, v, avg_n):
-        return v.replace(pending=(avg_n,))
+    def land(self, v, avg):
+        return v.replace(pending=(avg,))
 
     def eval_params(self, sync, outer):
         return outer.params
@@ -133,7 +140,7 @@ class Eager(Plain):
     def local(self, sync, params_R, v, p: int, key, contrib_R, starts=None, encode=as_is):
         mode, flat = self.mode, lambda t: sync.frags.flatten(t, p, starts)
         flat_R = jax.vmap(flat)(params_R)
-        fresh = v.extra.outer[0] - flat_R if eager.per_replica(mode) else sync.delta(params_R, v, p, starts)
+        fresh = v.extra.outer[0] - flat_R if eager.per_replica(mode) else sync.flat(sync.delta(params_R, v, p, starts))
         target, sent, v = encode(sync, v, fresh, key, contrib_R, mode == "swap")
         ex = v.extra
         old_avg, old_own = ex.avg[0][0], ex.own[0][0]
@@ -142,8 +149,8 @@ class Eager(Plain):
             ex = ex.replace(own=(jnp.concatenate([ex.own[0][1:], sent[None]]),))
         mask_R = jnp.ones(flat_R.shape[0], bool)
         if not eager.per_replica(mode):  # naive: the shared θᵍ steps with the delayed average
-            params, opt_p = sync.outer_step(v.params, v.opt[0], old_avg, p, starts)
-            v = v.replace(params=params, opt=(opt_p,), pending=(old_avg,), extra=ex)
+            params, opt_p = sync.outer_step(v.params, v.opt[0], sync.unflat(old_avg, p), p, starts)
+            v = v.replace(params=params, opt=(opt_p,), pending=(sync.unflat(old_avg, p),), extra=ex)
             return sync.merge(params_R, v, p, mask_R, starts), v, target
         g_R = eager.applied(mode, fresh, old_avg, old_own)
         upd, opt_p = sync.tx.update(g_R, ex.opt[0], ex.outer[0])
@@ -153,9 +160,9 @@ class Eager(Plain):
         one = lambda theta, g_n, m: sync.merge_one(theta, sync.frags.split(g_n, p), m, p, starts)  # noqa: E731
         return jax.vmap(one)(params_R, outer_p, mask_R), v, target
 
-    def land(self, v, avg_n):
-        ex = v.extra
-        return v.replace(pending=(avg_n,), extra=ex.replace(avg=(jnp.concatenate([ex.avg[0][1:], avg_n[None]]),)))
+    def land(self, v, avg):
+        ex, avg_n = v.extra, flat1(avg)
+        return v.replace(pending=(avg,), extra=ex.replace(avg=(jnp.concatenate([ex.avg[0][1:], avg_n[None]]),)))
 
     def eval_params(self, sync, outer):
         """Under swap/mix the mean of the replicas' θᵍ_m per fragment (eager.consensus), else θᵍ."""
@@ -187,14 +194,15 @@ class ErrorFeedback:
         return self.rule.local(sync, params_R, v, p, key, contrib_R, starts, encode=self.compensated)
 
     @staticmethod
-    def compensated(sync, v, fresh_Rxn, key, contrib_R, need_sent: bool):
+    def compensated(sync, v, fresh, key, contrib_R, need_sent: bool):
+        fresh_Rxn = fresh if hasattr(fresh, "shape") else sync.flat(fresh)  # Plain's Δ subtree: canonical
         target = feedback.compensate(fresh_Rxn, v.extra.residual[0])
         sent = decoded(sync.codec, target, key)
         res = jnp.where((contrib_R > 0)[:, None], feedback.residual(target, sent), target)
         return target, sent, v.replace(extra=v.extra.replace(residual=(res,)))
 
-    def land(self, v, avg_n):
-        return self.rule.land(v, avg_n)
+    def land(self, v, avg):
+        return self.rule.land(v, avg)
 
     def eval_params(self, sync, outer):
         return self.rule.eval_params(sync, outer)
@@ -219,7 +227,7 @@ def init(rule, sync, params, R: int) -> Extra | None:
 def send(rule, sync, params_R, v, p: int, key, contrib_R, starts=None, pin=lambda x: x):
     """A whole send on fragment p's view, blocking: local, the exchange, land → (params_R, v)."""
     params_R, v, target = rule.local(sync, params_R, v, p, key, contrib_R, starts)
-    return params_R, rule.land(v, pin(sync.average(target, key, contrib_R)))
+    return params_R, rule.land(v, pin(sync.average(target, key, contrib_R, p)))
 
 
 def shardings(ex: Extra | None, mesh) -> Any:

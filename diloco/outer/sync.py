@@ -3,15 +3,17 @@ The algorithm contract these implement is stated once, in docs/architecture.md.
 
   send(p):    Δ_m,p = θ^g_p − θ_m,p on every replica → encode → exchanged over the `replica`
               mesh axis as the encoded arrays (all-gather of the payload) → decoded and averaged in
-              FP32 on arrival → held in `pending[p]` until applied.
+              FP32 on arrival → held in `pending[p]` (fragment p's subtree, sharded like θᵍ) until applied.
   update(p):  one outer-optimizer step (config `outer.name`, Nesterov by default) of fragment p's outer
               params with pending[p] (per-fragment optax state: a non-synced fragment's is never touched).
   merge(p):   θ_m,p ← α·θ_m,p + (1−α)·θ^g_p on the replicas in `mask`.
 
 Replica-stacked trees carry a leading axis R. The outer state has no replica axis: it is identical
 on every replica by construction, and sharded over the chips of a replica (the Trainer's layout).
-With a mesh whose replica rows have several chips (data × fsdp × tensor), each chip encodes and exchanges only
-its own slice of a fragment when the slices are whole codec blocks (`OuterSync.shards`).
+With a mesh whose replica rows have several chips (data × fsdp × tensor), each chip encodes and exchanges the
+blocks of Δ it holds when every chip's share of every piece is whole codec blocks (`OuterSync.chip_wire`: the
+average is then the canonical wire's bit for bit, and nothing is regathered); otherwise the fragment is one
+canonical flat vector (its pieces end to end) split into whole-block slices over the chips (`exchange`).
 
 Plain sends compute Δ with `OuterSync.delta`; what a send encodes and where its average lands is its
 rule's (diloco/outer/rules.py: eager swap/mix make Δ from each replica's own θᵍ_m). Every placement
@@ -39,7 +41,8 @@ class OuterState:
     params: Any                  # θᵍ: the model's parameter tree, no replica axis
     opt: tuple                   # one outer-optimizer (optax) state per fragment, over its parameter subtree
                                  # (fp32, sharded like θᵍ: diloco/sharding.py outer_param_shardings)
-    pending: tuple               # per fragment: the averaged Δ (n_p,) f32 of its last send, until applied
+    pending: tuple               # per fragment: the averaged Δ of its last send, until applied: the fragment's
+                                 # subtree in f32, sharded like θᵍ (Fragments.subtree)
     extra: Any = None            # the send rule's buffers (diloco/outer/rules.py Extra); None for plain sends
 
 
@@ -87,11 +90,12 @@ class OuterSync:
     tx: optax.GradientTransformation
     alpha: float
     mesh: Mesh | None = None  # None: no collectives (single device, replicas on one array axis)
+    specs: tuple | None = None  # per parameter leaf: its mesh axes per dimension (no replica), for chip_wire
 
     def init(self, params) -> OuterState:
         P = range(self.frags.P)
         return OuterState(params=params, opt=tuple(self.tx.init(self.subtree(params, p)) for p in P),
-                          pending=tuple(jnp.zeros((self.frags.sizes[p],), jnp.float32) for p in P))
+                          pending=tuple(jax.tree_util.tree_map(jnp.zeros_like, self.subtree(params, p)) for p in P))
 
     def subtree(self, params, p: int, starts=None) -> dict:
         """Fragment p of θᵍ in fp32, keyed like the parameters: what the outer optimizer steps."""
@@ -107,37 +111,57 @@ class OuterSync:
         return codecs.encoded_nbytes(self.codec, self.frags.sizes[p])
 
     def wire_bytes_per_replica(self, p: int) -> int:
-        """Bytes that really cross `replica` per replica for fragment p: the encoding at the padded length
-        when the chips of a replica split it (`padded`: at most chips × (block/2 + 4) bytes more for e3m0,
-        zeros), else the counted bytes."""
-        return codecs.encoded_nbytes(self.codec, self.padded(self.frags.sizes[p]))
+        """Bytes that really cross `replica` per replica for fragment p: the counted bytes on the chips'
+        own blocks (`chip_wire`), else the encoding at the padded length when the chips of a replica split
+        the flat vector (`padded`: at most chips × (block/2 + 4) bytes more for e3m0, zeros)."""
+        n = self.frags.sizes[p]
+        return codecs.encoded_nbytes(self.codec, n if self.chip_wire(p) else self.padded(n))
 
     # -- send ------------------------------------------------------------------------------------
-    def delta(self, params_R, outer: OuterState, p: int, starts=None) -> jax.Array:
-        """Δ_m,p = θᵍ_p − θ_m,p, (R, n_p) f32: the outer gradient of every replica (the only place).
-        `starts`: fragment p's rows read at these (traced) starts, for a program shared by the fragments
-        of p's layout (`Fragments.layout`); the same in update and merge. The difference is taken piece by
-        piece in the parameters' own sharding; only Δ is flattened (one vector, not θᵍ's and each θ_m's)."""
+    def delta(self, params_R, outer: OuterState, p: int, starts=None) -> dict:
+        """Δ_m,p = θᵍ_p − θ_m,p: the outer gradient of every replica (the only place), fragment p's subtree
+        with a leading replica axis, f32, piece by piece in the parameters' own sharding (nothing is
+        flattened). `starts`: fragment p's rows read at these (traced) starts, for a program shared by the
+        fragments of p's layout (`Fragments.layout`); the same in update and merge."""
         g = self.pieces32(outer.params, p, starts)
-
-        def one(theta):
-            return jnp.concatenate([(gx - x).reshape(-1) for gx, x in zip(g, self.pieces32(theta, p, starts))])
-        return jax.vmap(one)(params_R)
+        return self.frags.subtree(jax.vmap(lambda theta: [gx - x for gx, x in zip(g, self.pieces32(theta, p, starts))])(
+            params_R), p)
 
     @staticmethod
-    def with_pending(outer: OuterState, p: int, avg_n: jax.Array) -> OuterState:
-        """The averaged Δ of fragment p, held until its apply (the only write of the pending buffer)."""
-        return outer.replace(pending=outer.pending[:p] + (avg_n,) + outer.pending[p + 1:])
+    def flat(tree_R) -> jax.Array:
+        """A fragment subtree with a leading axis (R, …) as the canonical (R, n_p) vector: its pieces end to end."""
+        return jnp.concatenate([x.reshape(x.shape[0], -1) for x in jax.tree_util.tree_leaves(tree_R)], axis=1)
+
+    def unflat(self, vec, p: int) -> dict:
+        """The inverse of `flat` for one vector (n_p,) (or rows (R, n_p)): fragment p's subtree."""
+        if vec.ndim == 2:
+            return jax.vmap(lambda v: self.unflat(v, p))(vec)
+        return self.frags.subtree(self.frags.split(vec, p), p)
+
+    @staticmethod
+    def with_pending(outer: OuterState, p: int, avg) -> OuterState:
+        """The averaged Δ of fragment p (its subtree), held until its apply (the only write of the pending buffer)."""
+        return outer.replace(pending=outer.pending[:p] + (avg,) + outer.pending[p + 1:])
 
     def send(self, params_R, outer: OuterState, p: int, key: jax.Array, contrib_R: jax.Array) -> OuterState:
         """Average the encoded outer gradients of fragment p over the replicas with contrib > 0 (Plain's
         send on the whole outer state, for tests and netbench; runs go through diloco/outer/rules.py)."""
-        return self.with_pending(outer, p, self.average(self.delta(params_R, outer, p), key, contrib_R))
+        return self.with_pending(outer, p, self.average(self.delta(params_R, outer, p), key, contrib_R, p))
 
-    def average(self, delta_Rxn, key: jax.Array, contrib_R: jax.Array) -> jax.Array:
-        """The exchanged FP32 average (n_p,) of the replicas' Δ (or of any (R, n_p) payload)."""
-        keys_R = jax.random.split(key, delta_Rxn.shape[0])
-        return self.exchange(delta_Rxn, keys_R, contrib_R.astype(jnp.float32))
+    def average(self, payload_R, key: jax.Array, contrib_R: jax.Array, p: int) -> dict:
+        """The exchanged FP32 average of the replicas' Δ of fragment p (or of any payload: its subtree with a
+        leading replica axis, or the canonical (R, n_p) vector), as fragment p's subtree."""
+        keys_R = jax.random.split(key, payload_R.shape[0] if hasattr(payload_R, "shape") else self.rows(payload_R))
+        w_R = contrib_R.astype(jnp.float32)
+        if hasattr(payload_R, "shape"):  # a rule's canonical vector (error feedback, eager)
+            return self.unflat(self.exchange(payload_R, keys_R, w_R), p)
+        if self.chip_wire(p):
+            return self.exchange_chips(payload_R, keys_R, w_R, p)
+        return self.unflat(self.exchange(self.flat(payload_R), keys_R, w_R), p)
+
+    @staticmethod
+    def rows(tree_R) -> int:
+        return jax.tree_util.tree_leaves(tree_R)[0].shape[0]
 
     def split_unit(self) -> int:
         """Elements of one chip's slice must be a multiple of this for its encoding to be the unsharded
@@ -167,51 +191,106 @@ class OuterSync:
         cannot be split (`split_unit`)."""
         return self.chips() if self.split_unit() else 1
 
+    def inner(self) -> tuple[str, ...]:
+        """A replica's chip axes (as diloco/sharding.py inner_axes)."""
+        return tuple(a for a in ("data", "fsdp", "tensor") if a in self.mesh.shape and (a != "tensor" or self.mesh.shape[a] > 1))
+
     def exchange(self, delta_Rxn, keys_R, w_R):
-        """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,)."""
-        codec = self.codec
-
-        def local(delta_rxn, keys_r, w_r, gather):
-            n = delta_rxn.shape[1]  # this chip's slice of the fragment (the whole one when unsharded)
-            if codecs.fmt(codec).sum_reduce:  # plain fp32: a sum-reduction is the cheapest honest exchange
-                s = gather_sum(delta_rxn * w_r[:, None], w_r, gather)
-                return s
-            payload = jax.vmap(lambda x, k: codecs.encode(codec, x, k))(delta_rxn, keys_r)
-            payload = gather_packed(payload, gather)  # the encoded bytes cross the axis, in one collective
-            dec_Rxn = jax.vmap(lambda pl: codecs.decode(codec, pl, n))(payload)
-            w_R = gather(w_r)
-            return (dec_Rxn * w_R[:, None]).sum(0) / jnp.maximum(w_R.sum(), 1.0)
-
-        def gather_sum(x_rxn, w_r, gather):
-            if gather is _identity:
-                return x_rxn.sum(0) / jnp.maximum(w_r.sum(), 1.0)
-            return jax.lax.psum(x_rxn.sum(0), "replica") / jnp.maximum(jax.lax.psum(w_r.sum(), "replica"), 1.0)
-
+        """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,), the canonical
+        vector split into whole-block slices over a replica's chips (`shards`)."""
         if self.mesh is None or self.mesh.shape["replica"] == 1:
-            return local(delta_Rxn, keys_R, w_R, _identity)
-        gather = functools.partial(jax.lax.all_gather, axis_name="replica", tiled=True)
-        inner = tuple(a for a in ("data", "fsdp", "tensor")  # a replica's chips (as diloco/sharding.py inner_axes)
-                      if a in self.mesh.shape and (a != "tensor" or self.mesh.shape[a] > 1))
+            return reduce_replicas(self.codec, delta_Rxn, keys_R, w_R, _identity)
         n = delta_Rxn.shape[1]
-        split = self.shards(n) > 1
+        split, inner = self.shards(n) > 1, self.inner()
         if split and self.padded(n) > n:  # zeros to whole blocks per chip; their (zero) blocks decode to 0
             delta_Rxn = jnp.pad(delta_Rxn, ((0, 0), (0, self.padded(n) - n)))
-        fn = jax.shard_map(functools.partial(local, gather=gather), mesh=self.mesh,
+        fn = jax.shard_map(functools.partial(reduce_replicas, self.codec, gather=_over_replica), mesh=self.mesh,
                            in_specs=(P("replica", inner if split else None), P("replica"), P("replica")),
                            out_specs=P(inner) if split else P(), check_vma=False)
         return fn(delta_Rxn, keys_R, w_R)[:n]
+
+    # -- each chip exchanges the blocks it holds ---------------------------------------------------
+    def piece_specs(self, p: int) -> list[tuple] | None:
+        """Mesh axes per dimension of each piece of fragment p (None: unknown, or a stacked leaf split on its
+        layer axis)."""
+        if self.specs is None:
+            return None
+        out = []
+        for i, rows in self.frags.parts[p]:
+            spec = tuple(self.specs[i]) + (None,) * (len(self.frags.shapes[i]) - len(self.specs[i]))
+            if rows is not None and spec[0] is not None:
+                return None
+            out.append(spec)
+        return out
+
+    def chip_wire(self, p: int) -> bool:
+        """Whether each chip encodes and exchanges its own blocks of fragment p (`exchange_chips`): a codec that
+        splits, several chips a replica, and every chip's share of every piece whole codec blocks of the
+        canonical vector (each piece whole blocks; the chip's rows of it, in order, whole blocks; a piece held
+        whole by several chips cut between them into whole blocks). Then the average is the canonical
+        wire's bit for bit, in another order. The paper's scales qualify (dimensions multiples of 256 per chip)."""
+        unit, specs = self.split_unit(), self.piece_specs(p)
+        if not unit or specs is None:
+            return False
+        size = lambda axes: int(np.prod([self.mesh.shape[a] for a in axes]))  # noqa: E731
+        for (i, rows), spec in zip(self.frags.parts[p], specs):
+            shape = (len(rows),) + self.frags.shapes[i][1:] if rows is not None else self.frags.shapes[i]
+            ks = [size(_axes(e)) for e in spec]
+            if any(d % k for d, k in zip(shape, ks)) or int(np.prod(shape)) % unit:
+                return False
+            local = [d // k for d, k in zip(shape, ks)]
+            split = [j for j, k in enumerate(ks) if k > 1]
+            run = local[split[-1]] * int(np.prod(shape[split[-1] + 1:])) if split else int(np.prod(shape))
+            held = self.held_by(spec)
+            if run % unit or int(np.prod(local)) % (size(held) * unit):
+                return False
+        return True
+
+    def held_by(self, spec) -> tuple[str, ...]:
+        """A replica's chip axes a piece with `spec` is not split over (its chips along them hold the same block)."""
+        used = {a for e in spec for a in _axes(e)}
+        return tuple(a for a in self.inner() if a not in used and self.mesh.shape[a] > 1)
+
+    def exchange_chips(self, tree_R, keys_R, w_R, p: int) -> dict:
+        """The exchange of fragment p on the chips' own blocks: each chip lays the blocks it holds end to end
+        (of a piece held by several chips, its share), encodes, gathers over `replica`, decodes and averages
+        them, and puts them back in its blocks; no collective inside a replica but the small gather of pieces
+        held by several chips. `chip_wire(p)` must hold."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree_R)
+        specs = self.piece_specs(p)
+        helds = [self.held_by(s) for s in specs]
+        codec = self.codec
+
+        def local(xs, keys_r, w_r):
+            parts = []
+            for x, held in zip(xs, helds):
+                v = x.reshape(x.shape[0], -1)
+                if held:
+                    m = v.shape[1] // int(np.prod([self.mesh.shape[a] for a in held]))
+                    v = jax.lax.dynamic_slice_in_dim(v, jax.lax.axis_index(held) * m, m, axis=1)
+                parts.append(v)
+            avg, out, at = reduce_replicas(codec, jnp.concatenate(parts, 1), keys_r, w_r, _over_replica), [], 0
+            for x, held, v in zip(xs, helds, parts):
+                seg = avg[at:at + v.shape[1]]
+                at += v.shape[1]
+                out.append((jax.lax.all_gather(seg, held, tiled=True) if held else seg).reshape(x.shape[1:]))
+            return out
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=([P("replica", *s) for s in specs], P("replica"), P("replica")),
+                           out_specs=[P(*s) for s in specs], check_vma=False)
+        return jax.tree_util.tree_unflatten(treedef, fn(leaves, keys_R, w_R))
 
     # -- update and merge --------------------------------------------------------------------------
     def update(self, outer: OuterState, p: int) -> OuterState:
         params, opt_p = self.outer_step(outer.params, outer.opt[p], outer.pending[p], p)
         return outer.replace(params=params, opt=outer.opt[:p] + (opt_p,) + outer.opt[p + 1:])
 
-    def outer_step(self, g_params, opt_p, pending_n: jax.Array, p: int, starts=None):
-        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ: (θᵍ, fragment p's optax state), both
-        as fragment p's subtree (the flat Δ cut to its pieces' shapes), so a matrix-aware optimizer (muon) sees
+    def outer_step(self, g_params, opt_p, pending, p: int, starts=None):
+        """One outer-optimizer step of fragment p of θᵍ with its averaged Δ (`pending`, fragment p's subtree):
+        (θᵍ, fragment p's optax state), both as fragment p's subtree, so a matrix-aware optimizer (muon) sees
         matrices and no chip holds more of θᵍ or the optimizer's state than its share."""
         g = self.subtree(g_params, p, starts)
-        upd, opt_p = self.tx.update(self.frags.subtree(self.frags.split(pending_n, p), p), opt_p, g)
+        upd, opt_p = self.tx.update(pending, opt_p, g)
         new = jax.tree_util.tree_map(jnp.add, g, upd)
         return self.frags.unpieces(g_params, p, jax.tree_util.tree_leaves(new), starts), opt_p
 
@@ -229,6 +308,32 @@ class OuterSync:
 
 def _identity(x):
     return x
+
+
+def _over_replica(x):
+    return jax.lax.all_gather(x, "replica", tiled=True)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def reduce_replicas(codec, delta_rxn, keys_r, w_r, gather: Callable):
+    """One chip's part of an exchange: its rows' (R, n) payload encoded, `gather`ed over `replica` (one
+    collective: gather_packed), decoded and averaged in FP32 with weights w → (n,). Plain fp32 sums instead
+    (a sum-reduction is the cheapest honest exchange)."""
+    n = delta_rxn.shape[1]
+    if codecs.fmt(codec).sum_reduce:
+        if gather is _identity:
+            return (delta_rxn * w_r[:, None]).sum(0) / jnp.maximum(w_r.sum(), 1.0)
+        return (jax.lax.psum((delta_rxn * w_r[:, None]).sum(0), "replica")
+                / jnp.maximum(jax.lax.psum(w_r.sum(), "replica"), 1.0))
+    payload = jax.vmap(lambda x, k: codecs.encode(codec, x, k))(delta_rxn, keys_r)
+    payload = gather_packed(payload, gather)
+    dec_Rxn = jax.vmap(lambda pl: codecs.decode(codec, pl, n))(payload)
+    w_R = gather(w_r)
+    return (dec_Rxn * w_R[:, None]).sum(0) / jnp.maximum(w_R.sum(), 1.0)
 
 
 def gather_packed(payload: dict[str, jax.Array], gather: Callable) -> dict[str, jax.Array]:
