@@ -228,7 +228,8 @@ class OuterSync:
         splits, several chips a replica, and every chip's share of every piece whole codec blocks of the
         canonical vector (each piece whole blocks; the chip's rows of it, in order, whole blocks; a piece held
         whole by several chips cut between them into whole blocks). Then the average is the canonical
-        wire's bit for bit, in another order. The paper's scales qualify (dimensions multiples of 256 per chip)."""
+        wire's bit for bit, in another order. 10B with tensor 2 on v5e qualifies; 35M with fsdp 2 does not (its
+        q/k-norm pieces, 3 × 64 elements, are not whole 256-element blocks), and takes the flat wire."""
         unit, specs = self.split_unit(), self.piece_specs(p)
         if not unit or specs is None:
             return False
