@@ -228,8 +228,9 @@ class OuterSync:
         splits, several chips a replica, and every chip's share of every piece whole codec blocks of the
         canonical vector (each piece whole blocks; the chip's rows of it, in order, whole blocks; a piece held
         whole by several chips cut between them into whole blocks). Then the average is the canonical
-        wire's bit for bit, in another order. 10B with tensor 2 on v5e qualifies; 35M with fsdp 2 does not (its
-        q/k-norm pieces, 3 × 64 elements, are not whole 256-element blocks), and takes the flat wire."""
+        wire's bit for bit, in another order. fp32 and bf16 (unit 1) qualify on any layout; E3M0's 256-element
+        blocks do not at the paper's shapes (a fragment's q/k-norm pieces, 3 × 64 elements, shift every later
+        block), which take the flat wire."""
         unit, specs = self.split_unit(), self.piece_specs(p)
         if not unit or specs is None:
             return False
