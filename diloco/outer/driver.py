@@ -172,9 +172,12 @@ class OuterDriver:
                 # last matmul), so the exchange waited for the whole forward/backward (seen on TPU
                 # with nn.scan). Identity on values: the numbers do not change.
                 target, state = jax.lax.optimization_barrier((target, state.replace(params=params_R, outer=v)))
-                avg = self.pin(sync.average(target, key, contrib_R, rep))
+                avg = sync.exchanged(target, key, contrib_R, rep)
                 new, ce_R, fin_R = step(state, tokens, *poison)
-                return self.constrain(new.replace(outer=rule.land(new.outer, avg))), ce_R, fin_R
+                # The flat average is cut into θᵍ's pieces after the step: that regather (within a replica)
+                # waits for the exchange, and XLA:GPU otherwise waited for it before the step's compute.
+                new, avg = jax.lax.optimization_barrier((new, avg))
+                return self.constrain(new.replace(outer=rule.land(new.outer, self.pin(sync.as_subtree(avg, rep))))), ce_R, fin_R
 
             f.__name__ = program_name("step+send", group)
             self._jit[k] = aligned_jit(f, f"step+send-{group_name(group)}", donate_argnums=(0, 1))

@@ -151,13 +151,21 @@ class OuterSync:
     def average(self, payload_R, key: jax.Array, contrib_R: jax.Array, p: int) -> dict:
         """The exchanged FP32 average of the replicas' Δ of fragment p (or of any payload: its subtree with a
         leading replica axis, or the canonical (R, n_p) vector), as fragment p's subtree."""
+        return self.as_subtree(self.exchanged(payload_R, key, contrib_R, p), p)
+
+    def exchanged(self, payload_R, key: jax.Array, contrib_R: jax.Array, p: int):
+        """The average as the exchange delivers it: fragment p's subtree (`chip_wire`) or the canonical (n_p,)
+        vector split over the chips, which `as_subtree` cuts into θᵍ's pieces (a regather when they split 2-D)."""
         keys_R = jax.random.split(key, payload_R.shape[0] if hasattr(payload_R, "shape") else self.rows(payload_R))
         w_R = contrib_R.astype(jnp.float32)
         if hasattr(payload_R, "shape"):  # a rule's canonical vector (error feedback, eager)
-            return self.unflat(self.exchange(payload_R, keys_R, w_R), p)
+            return self.exchange(payload_R, keys_R, w_R)
         if self.chip_wire(p):
             return self.exchange_chips(payload_R, keys_R, w_R, p)
-        return self.unflat(self.exchange(self.flat(payload_R), keys_R, w_R), p)
+        return self.exchange(self.flat(payload_R), keys_R, w_R)
+
+    def as_subtree(self, avg, p: int) -> dict:
+        return self.unflat(avg, p) if hasattr(avg, "shape") else avg
 
     @staticmethod
     def rows(tree_R) -> int:
