@@ -149,8 +149,9 @@ class Eager(Plain):
             ex = ex.replace(own=(jnp.concatenate([ex.own[0][1:], sent[None]]),))
         mask_R = jnp.ones(flat_R.shape[0], bool)
         if not eager.per_replica(mode):  # naive: the shared θᵍ steps with the delayed average
-            params, opt_p = sync.outer_step(v.params, v.opt[0], sync.unflat(old_avg, p), p, starts)
-            v = v.replace(params=params, opt=(opt_p,), pending=(sync.unflat(old_avg, p),), extra=ex)
+            delayed = sync.unflat(old_avg, p)
+            params, opt_p = sync.outer_step(v.params, v.opt[0], delayed, p, starts)
+            v = v.replace(params=params, opt=(opt_p,), pending=(delayed,), extra=ex)
             return sync.merge(params_R, v, p, mask_R, starts), v, target
         g_R = eager.applied(mode, fresh, old_avg, old_own)
         upd, opt_p = sync.tx.update(g_R, ex.opt[0], ex.outer[0])

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from diloco.outer import codecs
 from diloco.outer.fragments import Fragments
+from diloco.sharding import inner_axes
 
 
 @struct.dataclass
@@ -199,17 +200,13 @@ class OuterSync:
         cannot be split (`split_unit`)."""
         return self.chips() if self.split_unit() else 1
 
-    def inner(self) -> tuple[str, ...]:
-        """A replica's chip axes (as diloco/sharding.py inner_axes)."""
-        return tuple(a for a in ("data", "fsdp", "tensor") if a in self.mesh.shape and (a != "tensor" or self.mesh.shape[a] > 1))
-
     def exchange(self, delta_Rxn, keys_R, w_R):
         """encode → all-gather over `replica` → decode → FP32 weighted average: (R, n) → (n,), the canonical
         vector split into whole-block slices over a replica's chips (`shards`)."""
         if self.mesh is None or self.mesh.shape["replica"] == 1:
             return reduce_replicas(self.codec, delta_Rxn, keys_R, w_R, _identity)
         n = delta_Rxn.shape[1]
-        split, inner = self.shards(n) > 1, self.inner()
+        split, inner = self.shards(n) > 1, inner_axes(self.mesh)
         if split and self.padded(n) > n:  # zeros to whole blocks per chip; their (zero) blocks decode to 0
             delta_Rxn = jnp.pad(delta_Rxn, ((0, 0), (0, self.padded(n) - n)))
         fn = jax.shard_map(functools.partial(reduce_replicas, self.codec, gather=_over_replica), mesh=self.mesh,
@@ -259,7 +256,7 @@ class OuterSync:
     def held_by(self, spec) -> tuple[str, ...]:
         """A replica's chip axes a piece with `spec` is not split over (its chips along them hold the same block)."""
         used = {a for e in spec for a in _axes(e)}
-        return tuple(a for a in self.inner() if a not in used and self.mesh.shape[a] > 1)
+        return tuple(a for a in inner_axes(self.mesh) if a not in used and self.mesh.shape[a] > 1)
 
     def exchange_chips(self, tree_R, keys_R, w_R, p: int) -> dict:
         """The exchange of fragment p on the chips' own blocks: each chip lays the blocks it holds end to end
