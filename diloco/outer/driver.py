@@ -170,8 +170,11 @@ class OuterDriver:
                 # The barrier makes the payload a value the step cannot reach into: without it XLA fused Δ's
                 # reads of the parameters with the forward pass's (a multi-output fusion with the
                 # last matmul), so the exchange waited for the whole forward/backward (seen on TPU
-                # with nn.scan). Identity on values: the numbers do not change.
-                target, state = jax.lax.optimization_barrier((target, state.replace(params=params_R, outer=v)))
+                # with nn.scan). The payload crosses it as the exchange reads it (`sync.wire`): a flat
+                # vector laid end to end after the barrier put its gathers after the step on TPU.
+                # Identity on values: the numbers do not change.
+                target, state = jax.lax.optimization_barrier((sync.wire(target, rep),
+                                                              state.replace(params=params_R, outer=v)))
                 avg = sync.exchanged(target, key, contrib_R, rep)
                 new, ce_R, fin_R = step(state, tokens, *poison)
                 # The flat average is cut into θᵍ's pieces after the step: that regather (within a replica)

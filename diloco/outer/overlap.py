@@ -86,7 +86,7 @@ class OverlappedExchange:
                 return prep_given(sync.delta(params_R, outer, p), key, contrib_R)
 
             def prep_given(delta, key, contrib_R):  # one device a replica: the canonical vector is free
-                delta = delta if hasattr(delta, "shape") else sync.flat(delta)
+                delta = sync.flat(delta)
                 return delta, jax.random.split(key, delta.shape[0]), contrib_R.astype("float32")
 
             self._prep[(p, given)] = jax.jit(prep_given if given else prep,
