@@ -196,7 +196,8 @@ class ErrorFeedback:
 
     @staticmethod
     def compensated(sync, v, fresh, key, contrib_R, need_sent: bool):
-        target = feedback.compensate(sync.flat(fresh), v.extra.residual[0])  # Plain's Δ subtree: canonical
+        fresh_Rxn = fresh if hasattr(fresh, "shape") else sync.flat(fresh)  # Plain's Δ subtree: canonical
+        target = feedback.compensate(fresh_Rxn, v.extra.residual[0])
         sent = decoded(sync.codec, target, key)
         res = jnp.where((contrib_R > 0)[:, None], feedback.residual(target, sent), target)
         return target, sent, v.replace(extra=v.extra.replace(residual=(res,)))
