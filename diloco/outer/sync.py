@@ -174,7 +174,7 @@ class OuterSync:
         replica that lay a 2-D-split fragment end to end are not left for after the step (seen on TPU)."""
         if not hasattr(payload_R, "shape") and self.chip_wire(p):
             return payload_R
-        if self.mesh is None or self.mesh.shape["replica"] == 1:
+        if self.one_replica():
             return self.flat(payload_R)
         # each piece first as a vector split over the chips: XLA reshards it chip to chip; concatenated as
         # they are, it gathered every piece whole on every chip (10B step+send 0: 15.9 → 11.0 GiB, v5e tensor 2)
@@ -198,7 +198,7 @@ class OuterSync:
         if not hasattr(avg, "shape"):
             return avg
         specs = self.piece_specs(p)
-        if self.mesh is None or self.mesh.shape["replica"] == 1 or specs is None:
+        if self.one_replica() or specs is None:
             return self.unflat(avg, p)
 
         def cut(v):
@@ -214,11 +214,15 @@ class OuterSync:
     def rows(tree_R) -> int:
         return jax.tree_util.tree_leaves(tree_R)[0].shape[0]
 
+    def one_replica(self) -> bool:
+        """No mesh, or one replica on it: the exchange is a local average, nothing crosses `replica`."""
+        return self.mesh is None or self.mesh.shape["replica"] == 1
+
     def split_unit(self) -> int:
         """Elements of one chip's slice must be a multiple of this for its encoding to be the unsharded
         one's byte for byte (whole codec blocks; two nibbles per byte); 0: the codec cannot be split
         (sparsifiers, stochastic rounding: their draws depend on the whole vector) or nothing to split."""
-        if self.mesh is None or self.mesh.shape["replica"] == 1 or self.chips() == 1:
+        if self.one_replica() or self.chips() == 1:
             return 0
         return codecs.split_unit(self.codec)  # the codec registry's unit (diloco/outer/codecs.py FORMATS)
 
@@ -247,7 +251,7 @@ class OuterSync:
         vector split into whole-block slices over a replica's chips (`shards`). n: the fragment's length when
         `delta_Rxn` is already `wire`'s padded vector."""
         n = delta_Rxn.shape[1] if n is None else n
-        if self.mesh is None or self.mesh.shape["replica"] == 1:
+        if self.one_replica():
             return reduce_replicas(self.codec, delta_Rxn, keys_R, w_R, _identity)[:n]
         split = self.shards(n) > 1
         fn = jax.shard_map(functools.partial(reduce_replicas, self.codec, gather=_over_replica), mesh=self.mesh,
