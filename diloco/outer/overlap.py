@@ -136,5 +136,5 @@ class OverlappedExchange:
         bufs = [jax.device_put(local, d) for d in self.replicated_sharding.addressable_devices]
         avg = jax.make_array_from_single_device_arrays(local.shape, self.replicated_sharding, bufs)
         if ("unflat", p) not in self._x:  # fragment p's subtree (the pending slot), one program
-            self._x[("unflat", p)] = jax.jit(functools.partial(self.sync.unflat, p=p))
+            self._x[("unflat", p)] = jax.jit(functools.partial(self.sync.as_subtree, p=p))
         return self._x[("unflat", p)](avg), rec

@@ -149,7 +149,7 @@ class Eager(Plain):
             ex = ex.replace(own=(jnp.concatenate([ex.own[0][1:], sent[None]]),))
         mask_R = jnp.ones(flat_R.shape[0], bool)
         if not eager.per_replica(mode):  # naive: the shared θᵍ steps with the delayed average
-            delayed = sync.unflat(old_avg, p)
+            delayed = sync.as_subtree(old_avg, p)
             params, opt_p = sync.outer_step(v.params, v.opt[0], delayed, p, starts)
             v = v.replace(params=params, opt=(opt_p,), pending=(delayed,), extra=ex)
             return sync.merge(params_R, v, p, mask_R, starts), v, target
