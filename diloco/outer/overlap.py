@@ -57,7 +57,7 @@ def replica_rows(mesh) -> np.ndarray:
 class OverlappedExchange:
     """Fragment exchanges in flight on the comm devices; `land` waits for one at its apply."""
 
-    def __init__(self, sync, mesh, comm_devices, timeline: "Timeline | None" = None):
+    def __init__(self, sync, mesh, comm_devices, timeline=None):  # a diloco.timeline.Timeline
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
