@@ -250,16 +250,11 @@ def load_plan(args, root: Path, out: Path, skip: set[str], taus, alphas, extra) 
     --taus/--alphas), and its estimated seconds; says both on one line."""
     from diloco import sweep as sw
 
-    plan = [("scaling", f"sweeps/c4_scaling.py:{args.scale}"), ("tau_alpha", f"sweeps/tau_alpha.py:{args.ablation_scale}")]
-    if args.full:
-        plan = FULL_PLAN
-    if args.beyond:
-        plan = BEYOND_PLAN
+    plan = FULL_PLAN if args.full else BEYOND_PLAN if args.beyond else [
+        ("scaling", f"sweeps/c4_scaling.py:{args.scale}"), ("tau_alpha", f"sweeps/tau_alpha.py:{args.ablation_scale}")]
     loaded = [(name, spec, sw.load_sweep(str(REPO / spec))) for name, spec in plan if name not in skip]
     for name, _, s in loaded:
-        if args.full or args.beyond:
-            break
-        if name == "tau_alpha":
+        if name == "tau_alpha" and not (args.full or args.beyond):
             s["points"] = [p for p in s["points"] if int(p["point"]["tau"]) in taus
                            and float(p["point"]["alpha"]) in alphas]
     n = sum(len(s["points"]) for *_, s in loaded)
@@ -312,6 +307,7 @@ def write_results(args, argv, root: Path, out: Path, skip, steps: list, got: dic
     from diloco import report
     from diloco.report.write import write_if_changed
     from diloco.rundir import atomic_write_text
+    from diloco.sweep_status import read_json
 
     group = args.full or args.beyond  # a named step group: no quick-job steps (bytes, simulator, τ filter)
     files: list[Path] = []
@@ -332,11 +328,7 @@ def write_results(args, argv, root: Path, out: Path, skip, steps: list, got: dic
     steps.append((tables_step, f"diloco tables --root {root} --out {out}", 0.0, 0))
     if got["trained"]:
         got["fresh"].add(tables_step)
-    try:
-        committed = json.loads((out / "headline.json").read_text())
-    except (OSError, ValueError):
-        committed = {}
-    h = merge_headline(headline(root), committed)  # a --full root adds nothing to it
+    h = merge_headline(headline(root), read_json(out / "headline.json"))  # a --full root adds nothing to it
     if h["scaling"] or h["tau_alpha"]:
         write_if_changed(out / "headline.json", json.dumps(h, indent=1) + "\n", atomic_write_text)
         files.append(out / "headline.json")
@@ -357,7 +349,6 @@ def main(argv: list[str]) -> int:
     skip = {s for s in args.skip.split(",") if s}
     t_start = time.time()
     steps: list[tuple[str, str, float, int]] = []
-    got = {"failed": 0, "trained": 0, "skipped": 0, "fresh": set()}
     try:
         loaded, est = load_plan(args, root, out, skip, taus, alphas, extra)
         if args.estimate:

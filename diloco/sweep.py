@@ -32,6 +32,7 @@ from diloco.config import REPO_ROOT, check_points, make_importable, repo_path
 from diloco.errors import ConfigError
 from diloco.pointlock import LOCK, acquire_lock, release_lock
 from diloco.rundir import flatten, require_folder
+from diloco.sweep_status import read_json
 from diloco.tpu import sweep_launch
 from diloco import gke, slurm
 
@@ -240,11 +241,9 @@ def run_point(sweep: dict, point: dict, root: Path, extra: list[str] = (), env: 
 
 
 def _summary_bits(wd: Path) -> dict:
-    try:
-        s = json.loads((wd / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: s.get(k) for k in ("final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "wall_seconds")}
+    s = read_json(wd / "summary.json")
+    return {k: s.get(k) for k in ("final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "wall_seconds")
+            } if s else {}
 
 
 def run_sweep(sweep: dict, root: str | os.PathLike, workers: int = 1, extra: list[str] = (),
@@ -343,17 +342,10 @@ def _run_pool(sweep: dict, pts: list[dict], root: Path, workers: int, extra: lis
         if (wd / "summary.json").exists():
             results.append({**row, "status": "skipped" if before[p["name"]] else "done", **_summary_bits(wd)})
         else:
-            f = _read_failed(wd)
+            f = read_json(wd / "failed.json")
             results.append({**row, "status": "failed" if f else "incomplete", "returncode": f.get("returncode"),
                             "error": ((f.get("error_tail") or "").splitlines() or [""])[-1][:160]})
     return results
-
-
-def _read_failed(wd: Path) -> dict:
-    try:
-        return json.loads((wd / "failed.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def format_table(results: list[dict]) -> str:

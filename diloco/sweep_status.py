@@ -13,9 +13,11 @@ import socket
 from pathlib import Path
 
 from diloco.pointlock import LOCK, alive
+from diloco.rundir import read_jsonl
 
 
-def _json(p: Path) -> dict:
+def read_json(p: Path) -> dict:
+    """A run record's JSON ({} when it is missing or unreadable, e.g. being written)."""
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError):
@@ -23,17 +25,8 @@ def _json(p: Path) -> dict:
 
 
 def last_row(wd: Path) -> dict:
-    """metrics.jsonl's last whole row ({} when there is none)."""
-    try:
-        lines = (wd / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:  # a line being appended
-            continue
-    return {}
+    """metrics.jsonl's last whole row ({} when there is none; a line being appended is skipped)."""
+    return (read_jsonl(wd / "metrics.jsonl") or [{}])[-1]
 
 
 def holder(wd: Path) -> str:
@@ -49,7 +42,7 @@ def holder(wd: Path) -> str:
 
 def point_status(wd: Path) -> dict:
     """{status, step, steps, loss, eval_loss, seconds, eta_s} of one point's folder."""
-    summ, row, cfg = _json(wd / "summary.json"), last_row(wd), _json(wd / "config.json")
+    summ, row, cfg = read_json(wd / "summary.json"), last_row(wd), read_json(wd / "config.json")
     steps = cfg.get("steps")
     step = steps if summ and steps else row.get("step", 0)
     who = "" if summ else holder(wd)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from diloco.report.records import metrics
+from diloco.rundir import read_jsonl
 
 
 def save_figure(fig, path: Path) -> None:
@@ -36,7 +36,7 @@ def plot_loss_curves(df: pd.DataFrame, sweep: str, path: Path) -> None:
     fig, axs = plt.subplots(1, max(1, len(scales)), figsize=(5.5 * max(1, len(scales)), 4), squeeze=False)
     for ax, s in zip(axs[0], scales):
         for _, r in g[g.scale == s].iterrows():
-            m = metrics(r.workdir)
+            m = pd.DataFrame(read_jsonl(Path(r.workdir) / "metrics.jsonl"))
             if m.empty:
                 continue
             line, = ax.plot(m.step, m.train_loss.rolling(3, min_periods=1).mean(), alpha=0.35, lw=1)

@@ -4,7 +4,6 @@ numbers (results/paper/*.csv).
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import pandas as pd
 
 from diloco.outer import methods
 from diloco.sweep import base_name
+from diloco.sweep_status import read_json
 
 REPO = Path(__file__).resolve().parents[2]  # diloco/report/records.py → the repository
 PAPER_DIR = REPO / "results" / "paper"
@@ -31,13 +31,6 @@ TASKS = ("hellaswag", "piqa", "arc_easy")
 
 
 # -- loading -----------------------------------------------------------------------------------------
-def read_json(p: Path):
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _sweep_order(point: dict, cache: dict) -> dict:
     """{point name: index} in the sweep file's own order (for tables/plots), {} if unavailable."""
     key = (point.get("sweep_file"), point.get("sweep_arg"))
@@ -68,10 +61,10 @@ def load_runs(root: str | Path) -> pd.DataFrame:
         wd = cfg_path.parent
         if "ckpt" in wd.parts:
             continue
-        cfg = read_json(cfg_path) or {}
+        cfg = read_json(cfg_path)
         if "method" not in cfg:
             continue
-        point = read_json(wd / "point.json") or {}
+        point = read_json(wd / "point.json")
         summ = read_json(wd / "summary.json")
         failed = read_json(wd / "failed.json")
         base, seed = base_name(wd.name)
@@ -111,8 +104,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
                 row[t] = (summ.get("downstream") or {}).get(t, {}).get("acc") if isinstance(
                     (summ.get("downstream") or {}).get(t), dict) else (summ.get("downstream") or {}).get(t)
         if failed:
-            row["error"] = (failed.get("error_tail") or "").splitlines()[-1:] or [""]
-            row["error"] = row["error"][0][:200]
+            row["error"] = ((failed.get("error_tail") or "").splitlines() or [""])[-1][:200]
         rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
@@ -245,18 +237,6 @@ def collapse(df: pd.DataFrame) -> pd.DataFrame:
                 first[t] = mean_std(done[t].tolist())[0] if done[t].notna().any() else np.nan
         rows.append(first)
     return pd.DataFrame(rows).reset_index(drop=True)
-
-
-def metrics(workdir: str) -> pd.DataFrame:
-    p = Path(workdir) / "metrics.jsonl"
-    rows = []
-    if p.exists():
-        for line in p.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                break
-    return pd.DataFrame(rows)
 
 
 def paper(name: str) -> pd.DataFrame:

@@ -333,15 +333,18 @@ EU_SETTING = {"none": "no_overlap", "inner": "inner_1step", "naive": "outer_1ste
               "swap2": "outer_2step_eager", "mix2": "outer_2step_eager"}
 
 
-def _eager_rows(g: pd.DataFrame, ref: pd.Series | None, paper_loss: Callable, paper_ref: float) -> list[dict]:
+def _eager_rows(g: pd.DataFrame, paper_loss: Callable, paper_ref: float) -> list[tuple]:
+    """(record, columns) of g's rows in EU_SETTING's order: the gap to row 'none' paired by seed, and [EU]'s."""
+    order = list(EU_SETTING)
+    g = g.assign(_o=[order.index(x) if x in order else len(order) for x in g.arg_row]).sort_values("_o")
+    ref_losses = next((r.losses or {} for r in g.itertuples() if r.arg_row == "none"), {})
     out = []
-    ref_losses = (ref.losses or {}) if ref is not None else {}
     for r in g.itertuples():
-        gap, unc, n_pair = paired_gap_pct(r.losses or {}, ref_losses)
+        gap, unc, _ = paired_gap_pct(r.losses or {}, ref_losses)
         pl = paper_loss(r)
-        out.append({"n": int(r.n), "eval_loss": r.final_eval_loss, "eval_loss_std": r.eval_loss_std,
-                    "vs_none_pct": gap, "vs_none_pct_unc": unc, "paper_setting": EU_SETTING.get(r.arg_row, ""),
-                    "paper_eval_loss": pl, "paper_vs_none_pct": _pct(pl, paper_ref)})
+        out.append((r, {"n": int(r.n), "eval_loss": r.final_eval_loss, "eval_loss_std": r.eval_loss_std,
+                        "vs_none_pct": gap, "vs_none_pct_unc": unc, "paper_setting": EU_SETTING.get(r.arg_row, ""),
+                        "paper_eval_loss": pl, "paper_vs_none_pct": _pct(pl, paper_ref)}))
     return out
 
 
@@ -353,14 +356,10 @@ def eager_table2(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     p = paper("ablations")
     p = p[(p.source == "eager_updates_v1:table2") & (p.metric == "eval_loss")].set_index("setting").value
-    order = list(EU_SETTING)
     out = []
     for (sweep, scale), g in runs.groupby(["sweep", "scale"], sort=False):
-        g = g.assign(_o=[order.index(x) if x in order else len(order) for x in g.arg_row]).sort_values("_o")
-        ref = next((r for _, r in g.iterrows() if r.arg_row == "none"), None)
-        rows = _eager_rows(g, ref, lambda r: p.get(EU_SETTING.get(r.arg_row), np.nan), p.get("no_overlap", np.nan))
-        out += [{"scale": scale, "row": r.arg_row, "H": r.H, "M": r.replicas, "steps": r.steps, **x}
-                for r, x in zip(g.itertuples(), rows)]
+        rows = _eager_rows(g, lambda r: p.get(EU_SETTING.get(r.arg_row), np.nan), p.get("no_overlap", np.nan))
+        out += [{"scale": scale, "row": r.arg_row, "H": r.H, "M": r.replicas, "steps": r.steps, **x} for r, x in rows]
     return pd.DataFrame(out)
 
 
@@ -372,14 +371,11 @@ def eager_table3(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     p = paper("ablations")
     p = p[(p.source == "eager_updates_v1:table3") & (p.metric == "eval_loss")].set_index(["method", "setting"]).value
-    order = list(EU_SETTING)
     out = []
     for (sweep, scale, base), g in runs.groupby(["sweep", "scale", "arg_base"], sort=False):
-        g = g.assign(_o=[order.index(x) if x in order else len(order) for x in g.arg_row]).sort_values("_o")
-        ref = next((r for _, r in g.iterrows() if r.arg_row == "none"), None)
-        rows = _eager_rows(g, ref, lambda r, b=base: p.get((b, EU_SETTING.get(r.arg_row)), np.nan),
+        rows = _eager_rows(g, lambda r, b=base: p.get((b, EU_SETTING.get(r.arg_row)), np.nan),
                            p.get((base, "no_overlap"), np.nan))
         out += [{"scale": scale, "base": base, "row": r.arg_row, "H": r.H, "fragments": r.fragments, **x}
-                for r, x in zip(g.itertuples(), rows)]
+                for r, x in rows]
     return pd.DataFrame(out)
 
