@@ -7,6 +7,8 @@ import json
 import shlex
 from pathlib import Path
 
+from diloco.sweep_status import read_json
+
 REPO = Path(__file__).resolve().parents[1]
 
 # -- --beyond: what researchers compare Streaming DiLoCo with today (#33), default root runs/eager ----------
@@ -102,12 +104,10 @@ def sweep_seconds(root: Path, s: dict) -> tuple[float, int]:
     the cost of the runs, not of this invocation (a rerun that skips everything costs 1 s)."""
     secs, n = 0.0, 0
     for p in s["points"]:
-        try:
-            summ = json.loads((root / s["name"] / p["name"] / "summary.json").read_text())
-        except (OSError, ValueError):
-            continue
-        secs += float(summ.get("wall_seconds") or 0.0)
-        n += 1
+        summ = read_json(root / s["name"] / p["name"] / "summary.json")
+        if summ:
+            secs += float(summ.get("wall_seconds") or 0.0)
+            n += 1
     return secs, n
 
 
@@ -175,23 +175,20 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
     `note` (--note) is kept in steps.json on each sweep step of this invocation; without one, a step keeps its
     committed note unless it has a new root or is in `trained` (it trained new runs: the note may not
     hold for them). A step group's description (BEYOND_TEXT) and its steps' notes make its own section."""
+    from diloco.report.write import write_if_changed
+
     shown_argv = _shown_argv(argv)
     cmd = "diloco reproduce" + (" " + shlex.join(shown_argv) if shown_argv else "")
     # steps of earlier invocations (e.g. the quick job's, when this is --full) stay listed
     steps_path = out / "steps.json"
-    try:
-        known = json.loads(steps_path.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = read_json(steps_path)
     for name, c, secs, n in steps:
         old = known.get(name, {})
         known[name] = {"made_by": cmd, "root": str(root), "command": c, "runs": n, "run_seconds": round(secs)}
         kept = note or (old.get("note") if old.get("root") == str(root) and name not in trained else "")
         if kept and c.startswith("diloco sweep "):  # a note is on runs: a sweep step's
             known[name]["note"] = kept
-    text = json.dumps(known, indent=1, sort_keys=True) + "\n"
-    if not steps_path.exists() or steps_path.read_text() != text:
-        steps_path.write_text(text)
+    write_if_changed(steps_path, json.dumps(known, indent=1, sort_keys=True) + "\n", Path.write_text)
     made = sorted({(v["made_by"], v.get("root", "")) for v in known.values()})
     lines = ["# results/ — generated", "",
              "Made by " + "; ".join(f"`{m}` (run records under `{r}`)" for m, r in made) + ". Regenerate the "
@@ -225,8 +222,5 @@ def write_readme(out: Path, root: Path, argv: list[str], steps: list[tuple[str, 
                     and "overlap" not in p.parts):
         lines.append(f"- `{f.relative_to(out)}`")
     lines += [""]
-    p = out / "README.md"
-    text = "\n".join(lines)
-    if not p.exists() or p.read_text() != text:
-        p.write_text(text)
-    return p
+    write_if_changed(out / "README.md", "\n".join(lines), Path.write_text)
+    return out / "README.md"

@@ -119,8 +119,6 @@ def test_claims_budget_is_the_papers_shape():
 
 
 def test_claims_sweeps_differ_in_one_factor():
-    from diloco.config import load_config
-
     s = load_sweep("sweeps/claims.py:headline,tiny")
     cfgs = {p["name"]: load_config(p["spec"], p["overrides"]).to_dict() for p in s["points"] if p["seed"] == 0}
 

@@ -1,4 +1,5 @@
 """diloco tables from the records of real tiny runs (DP, DiLoCo, Streaming DiLoCo), made by the sweep."""
+import itertools
 import json
 import os
 import math
@@ -244,9 +245,10 @@ def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):
             for m, loss in (("dp", dp), ("streaming_ovl_fp4_h30", st)):
                 _record(root, f"claims_headline_{scale}", f"{scale}+{m}", f"experiments/claims.py:{scale},{m}", loss,
                         seed, sweep_file="sweeps/claims.py", arg=f"headline,{scale}")
-    for scale in ("tiny", "toy"):  # the quick budget's runs too: their trend is not the row any more
+    quick = tmp_path / "quick"  # the quick budget's runs: beside the claims runs (their trend is not the row
+    for where, scale in itertools.product((root, quick), ("tiny", "toy")):  # any more) and alone (below)
         for m, loss in (("dp", 2.0), ("streaming_ovl_fp4_h30", 2.2)):
-            _record(root, "c4_scaling_tiny+toy", f"{scale}+{m}", f"experiments/c4_scaling.py:{scale},{m}", loss,
+            _record(where, "c4_scaling_tiny+toy", f"{scale}+{m}", f"experiments/c4_scaling.py:{scale},{m}", loss,
                     arg="tiny+toy")
     report.build(root, tmp_path / "out", quiet=True)
     c = pd.read_csv(tmp_path / "out" / "claims.csv")
@@ -255,11 +257,6 @@ def test_the_scale_trend_pairs_the_claims_budgets_two_sweeps(tmp_path):
     assert math.isclose(row.ours_gap_pct, 2.0, rel_tol=1e-9)
     # then `diloco reproduce` (the quick budget only) into the same out/: it regenerates the quick budget's
     # trend as its own row (tiny 10 %, toy 10 %: 0 pp) and keeps the claims budget's row it cannot remake
-    quick = tmp_path / "quick"
-    for scale in ("tiny", "toy"):
-        for m, loss in (("dp", 2.0), ("streaming_ovl_fp4_h30", 2.2)):
-            _record(quick, "c4_scaling_tiny+toy", f"{scale}+{m}", f"experiments/c4_scaling.py:{scale},{m}", loss,
-                    arg="tiny+toy")
     report.build(quick, tmp_path / "out", quiet=True)
     c = pd.read_csv(tmp_path / "out" / "claims.csv").set_index("claim")
     kept = c.loc["The gap to DP shrinks as scale grows (tiny → toy)"]

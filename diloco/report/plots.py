@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from diloco.report.tables import ABLATION_RESULT_COLS
 from diloco.rundir import read_jsonl
 
 
@@ -73,8 +74,7 @@ def _num(v) -> str:
 def ablation_axes(t: pd.DataFrame) -> list[str]:
     """The swept columns of an ablation table: not a result column, except `fragments` when it varies (a sweep
     over the fragment count P: its axis and the result column are one column)."""
-    results = {"scale", "status", "eval_loss", "vs_first_pct", "bytes_total", "n", "eval_loss_std",
-               "vs_first_pct_unc", "bytes_peak_per_sync"}
+    results = set(ABLATION_RESULT_COLS) - {"fragments"}
     return [c for c in t.columns if c not in results and (c != "fragments" or t[c].nunique() > 1)]
 
 
