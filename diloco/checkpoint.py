@@ -259,12 +259,16 @@ class Checkpointer:
         """The sidecar of the newest checkpoint alone (no array read), {} when there is none or it cannot
         be read (restore then decides): lets a run refuse a data state it cannot continue before the
         model state is restored."""
-        for step in reversed(self.steps()):
-            try:
-                return dict(self.mngr.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))["meta"])
-            except Exception:  # noqa: BLE001  (classified by restore())
-                return {}
-        return {}
+        steps = self.steps()
+        return self._meta(steps[-1]) if steps else {}
+
+    def _meta(self, step: int) -> dict:
+        """The sidecar of checkpoint `step`, {} when it cannot be read."""
+        args = self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())
+        try:
+            return dict(self.mngr.restore(step, args=args)["meta"])
+        except Exception:  # noqa: BLE001  (restore() classifies the failure)
+            return {}
 
     def restore(self, abstract_state, quarantine: bool = False) -> tuple[int, Any, dict] | None:
         """(step, state, sidecar) of the newest checkpoint that restores and matches its checksum; None
@@ -341,12 +345,7 @@ class Checkpointer:
                 raise self._mismatch(step, diff)
 
     def _mismatch(self, step: int, diff: str) -> CheckpointMismatch:
-        meta = {}
-        try:
-            args = self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())
-            meta = dict(self.mngr.restore(step, args=args)["meta"])
-        except Exception:  # a sidecar that cannot be read only loses the hint
-            pass
+        meta = self._meta(step)  # a sidecar that cannot be read only loses the hint
         code, version = meta.get("code") or {}, meta.get("state_version", 1)
         by = (f"diloco {code.get('diloco', '?')} at commit {code.get('commit') or 'unknown'}" if code
               else "an older version of diloco (before checkpoints recorded their commit)")

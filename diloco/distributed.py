@@ -107,19 +107,15 @@ def initialize_from_env() -> bool:
     n = int(os.environ.get(ENV_N, "1"))
     if _joined:
         return True
+    import jax
+
     if n <= 1:
         if os.environ.get(ENV_CPU_DEVICES):
-            import jax
-
             jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_CPU_DEVICES]))
         if tpu_pod_env():
-            import jax
-
             jax.distributed.initialize()
             _joined = True
-            return True
-        return False
-    import jax
+        return _joined
     from jax._src import distributed as jdist
     from jax._src import xla_bridge
 

@@ -42,11 +42,10 @@ def child_env(i: int, m: int, coordinator: str, iface: str | None, comm_device: 
     return env
 
 
-def spawn(m: int, argv: list[str], port: int, netns: bool = False, comm_device: bool = False,
-          logdir: Path | None = None, devices_per_process: int = 1, gpus: int = 0) -> list[subprocess.Popen]:
-    """Start M copies of `python -m diloco.cli ARGV`; rank 0 inherits stdout/stderr."""
+def spawn(m: int, argv: list[str], port: int, logdir: Path, netns: bool = False, comm_device: bool = False,
+          devices_per_process: int = 1, gpus: int = 0) -> list[subprocess.Popen]:
+    """Start M copies of `python -m diloco.cli ARGV`; rank 0 inherits stdout/stderr, ranks ≥ 1 write logdir."""
     host = f"{NETNS_SUBNET}1" if netns else "127.0.0.1"
-    logdir = Path(logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
     logdir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(m):
@@ -143,7 +142,7 @@ def main(argv: list[str]) -> int:
         return 2
     port = args.port or (free_port() if not args.netns else 29500 + os.getpid() % 1000)
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="diloco-launch-"))
-    procs = spawn(args.processes, argv[cut + 1:], port, args.netns, args.comm_device, logdir,
+    procs = spawn(args.processes, argv[cut + 1:], port, logdir, args.netns, args.comm_device,
                   args.devices_per_process, gpus)
 
     requested = []

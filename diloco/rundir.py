@@ -60,7 +60,6 @@ def filesystem_support(scheme: str) -> str | None:
 
 def require(p: PathLike, field: str) -> epath.Path:
     """path(p), or a ConfigError naming `field` when p is on a filesystem this install cannot reach."""
-
     s = os.fspath(p)
     if not s.strip():
         raise ConfigError(field, "'' is empty (it would write into the current folder); name a folder, e.g. runs/toy")
@@ -76,7 +75,6 @@ def require(p: PathLike, field: str) -> epath.Path:
 
 def require_folder(p: PathLike, field: str) -> None:
     """ConfigError naming `field` when the local path p, or a folder above it, exists as a file."""
-
     if is_remote(os.fspath(p)):
         return
     q = os.path.abspath(os.fspath(p))
@@ -150,9 +148,7 @@ def read_jsonl(p: PathLike) -> list[dict]:
     """Rows of a JSONL file; a torn last line (a crash mid-append) ends the list."""
     p = path(p)
     rows = []
-    if not p.exists():
-        return rows
-    for line in p.read_text().splitlines():
+    for line in p.read_text().splitlines() if p.exists() else []:
         if not line.strip():
             continue
         try:
@@ -257,7 +253,6 @@ class RunDir:
         """Create the folder and, in the primary process of a local run, hold its lock (`.run.lock`, an
         fcntl.flock the kernel releases when the process ends, SIGKILL included) for the run's life: a
         second run on a busy folder is refused in one line naming the holder. Unusable folder: one line."""
-
         try:
             if self.primary or not is_remote(self.root):
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -275,7 +270,6 @@ class RunDir:
     def _lock(self) -> None:
         import fcntl
         import socket
-
 
         key = os.path.realpath(self / ".run.lock")
         if key in HELD:  # this process holds it already (a run of it that stopped before close())
@@ -296,7 +290,6 @@ class RunDir:
     def claim(self, cfg_json: str, defaults_json: str = "{}") -> None:
         """Write config.json, or check that the folder holds a run of this same config. A key the record
         lacks (added to the code since) counts as the same when the new value is its default."""
-
         old = read_json(self / "config.json")
         changed = [] if old is None else config_changes(old, json.loads(cfg_json), json.loads(defaults_json))
         if changed:

@@ -27,17 +27,13 @@ from conftest import REPO, tiny_config
 from diloco import checkpoint
 from diloco.checkpoint import (CheckpointMismatch, CheckpointUnreadable, Checkpointer, NoUsableCheckpoint, classify,
                                state_checksum, state_mismatch)
-from diloco.rundir import code_version
-from diloco.rundir import atomic_write_json
 from diloco.faults import Faults, NumericalFault
-from diloco.rundir import truncate_jsonl
+from diloco.rundir import atomic_write_json, code_version, truncate_jsonl
 from diloco.train import train
 from diloco.eval.runs import load_run
 from diloco.trainer import Trainer
 
-TIMING = ("seconds", "tokens_per_s")
-CLI_TINY = {"scale": "tiny", "seq_len": 32, "batch_size": 4, "steps": 6, "log_every": 2, "eval_every": 3,
-            "eval_batches": 1, "checkpoint_every": 3, "optimizer.warmup_steps": 2, "H": 3}  # the only metrics fields allowed to differ between two runs
+TIMING = ("seconds", "tokens_per_s")  # the only metrics fields allowed to differ between two runs
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,8 +346,7 @@ def test_cli_stops_at_a_checkpoint_of_another_state_and_fresh_sets_it_aside(tmp_
     one line naming the leaf, nothing moved; `--fresh` keeps the old checkpoints in set_aside/ and trains."""
     from diloco import train as train_mod
 
-    cfg_args = ["--config", "experiments/toy.py:diloco", "--workdir", str(tmp_path), "--no_progress",
-                *[f"--config.{k}={v}" for k, v in CLI_TINY.items()]]
+    cfg_args = cli_train(tmp_path, "diloco", eval_batches=1, H=3)[4:]  # the arguments after `diloco train`
     assert train_mod.main(cfg_args) == 0
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     rows = metric_rows(tmp_path)
