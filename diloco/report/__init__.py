@@ -20,14 +20,14 @@ from diloco.report.claims import claims_table, write_claims
 from diloco.report.compare import NOTES as COMPARE_NOTES, compare_table, parse_ref
 from diloco.report.judge import verdict
 from diloco.report.plots import plot_ablation, plot_loss_curves
-from diloco.report.records import POWER, PAPER_DIR, collapse, is_difference, load_runs, read_json
+from diloco.report.records import POWER, PAPER_DIR, collapse, load_runs, read_json
 from diloco.report.tables import (ABLATION_RESULT_COLS, PAPER_SAYS, ablation_table, bytes_table, eager_table2,
                                   eager_table3, eval_noise, table1, table3, table3_outer_lr, table5, table6,
                                   which_params_eval)
 from diloco.report.write import KEYS, compare_committed, markdown, write_if_changed, write_table
 
 # the names other code and the tests use as `report.<name>`, besides build and main
-__all__ = ["build", "Built", "main", "PAPER_DIR", "load_runs", "is_difference", "markdown", "which_params_eval",
+__all__ = ["build", "Built", "main", "PAPER_DIR", "load_runs", "markdown", "which_params_eval",
            "ablation_table", "plot_ablation", "verdict"]
 
 

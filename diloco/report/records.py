@@ -208,13 +208,6 @@ def seeds_needed(mean: float, sd: float, lo: float, hi: float, power: float = PO
     return int(n[ok[0]]) if len(ok) else None
 
 
-def is_difference(gap: float, unc: float) -> bool | None:
-    """True/False when the uncertainty is known (|gap| > unc), None when it is not (n < 2)."""
-    if gap is None or unc is None or not np.isfinite(gap) or not np.isfinite(unc):
-        return None
-    return bool(abs(gap) > unc)
-
-
 def collapse(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (sweep, base point): its seeds' runs folded. final_eval_loss becomes the mean over
     the finished seeds, with eval_loss_std, n (finished seeds), seeds ("0,1,2") and losses ({seed:
