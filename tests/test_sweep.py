@@ -12,8 +12,8 @@ import pytest
 from diloco import sweep as sw
 from diloco.errors import ConfigError
 
-FAST = {"steps": 4, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 2, "eval_batches": 1,
-        "checkpoint_every": 2, "optimizer.warmup_steps": 1}
+FAST = [f"--config.{k}={v}" for k, v in {"steps": 4, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 2,
+                                         "eval_batches": 1, "checkpoint_every": 2, "optimizer.warmup_steps": 1}.items()]
 
 
 def test_product_and_zip_expand_axes():
@@ -124,9 +124,8 @@ def test_failure_is_recorded_others_finish_and_resume_skips(tmp_path):
     """One good point, one that fails inside `diloco train` (DiLoCo with τ>0 is refused)."""
     f = _write_sweep(tmp_path, '[{"arg": "tiny,dp"}, {"arg": "tiny,diloco_h30", "tau": 3}]')
     s = sw.load_sweep(str(f))
-    extra = [f"--config.{k}={v}" for k, v in FAST.items()]
     root = tmp_path / "root"
-    res = sw.run_sweep(s, root, workers=2, extra=extra, quiet=True)
+    res = sw.run_sweep(s, root, workers=2, extra=FAST, quiet=True)
     status = {r["point"]: r["status"] for r in res}
     assert status == {"tiny+dp": "done", "tiny+diloco_h30,tau=3": "failed"}
     good, bad = root / "t" / "tiny+dp", root / "t" / "tiny+diloco_h30,tau=3"
@@ -138,13 +137,13 @@ def test_failure_is_recorded_others_finish_and_resume_skips(tmp_path):
     assert json.loads((good / "point.json").read_text())["spec"] == "experiments/c4_scaling.py:tiny,dp"
     assert not (good / sw.LOCK).exists() and not (bad / sw.LOCK).exists()
     mtime = (good / "summary.json").stat().st_mtime_ns
-    again = sw.run_sweep(s, root, workers=1, extra=extra, quiet=True, only="tiny+dp")
+    again = sw.run_sweep(s, root, workers=1, extra=FAST, quiet=True, only="tiny+dp")
     assert [r["status"] for r in again] == ["skipped"]
     assert (good / "summary.json").stat().st_mtime_ns == mtime
     table = sw.format_table(res)
     assert "1 done, 1 failed" in table
     # the experiment changed since (a tuned value, say): the record is kept and called stale, not rerun
-    changed = sw.run_sweep(s, root, workers=1, extra=[*extra, "--config.optimizer.lr=0.01"], quiet=True,
+    changed = sw.run_sweep(s, root, workers=1, extra=[*FAST, "--config.optimizer.lr=0.01"], quiet=True,
                            only="tiny+dp")
     assert [(r["status"], r["changed"]) for r in changed] == [("stale", ["optimizer.lr"])]
     assert (good / "summary.json").stat().st_mtime_ns == mtime and sw.format_table(changed).endswith(
@@ -164,8 +163,7 @@ def test_a_locked_point_is_not_run(tmp_path):
 def test_in_process_pool_records_a_failure_once(tmp_path):
     f = _write_sweep(tmp_path, '[{"arg": "tiny,diloco_h30", "tau": 3}, {"arg": "tiny,dp"}]')
     s = sw.load_sweep(str(f))
-    res = sw.run_sweep(s, tmp_path / "root", workers=2, extra=[f"--config.{k}={v}" for k, v in FAST.items()],
-                       quiet=True, in_process=True)
+    res = sw.run_sweep(s, tmp_path / "root", workers=2, extra=FAST, quiet=True, in_process=True)
     assert {r["point"]: r["status"] for r in res} == {"tiny+diloco_h30,tau=3": "failed", "tiny+dp": "done"}
     log = (tmp_path / "root" / "t" / "tiny+diloco_h30,tau=3" / "train.log").read_text()
     assert log.count("$ ") == 1  # tried by one worker only
@@ -250,9 +248,8 @@ def test_seeds_expand_every_point_seed_major_and_keep_seed_zero_folders(tmp_path
 
 def test_seeds_run_as_separate_resumable_points(tmp_path):
     f = str(_write_sweep(tmp_path, '[{}]'))
-    extra = [f"--config.{k}={v}" for k, v in FAST.items()]
-    first = sw.run_sweep(sw.load_sweep(f), tmp_path / "root", extra=extra, quiet=True, in_process=True)
-    res = sw.run_sweep(sw.load_sweep(f, seeds=2), tmp_path / "root", extra=extra, quiet=True, in_process=True)
+    first = sw.run_sweep(sw.load_sweep(f), tmp_path / "root", extra=FAST, quiet=True, in_process=True)
+    res = sw.run_sweep(sw.load_sweep(f, seeds=2), tmp_path / "root", extra=FAST, quiet=True, in_process=True)
     assert [r["status"] for r in first] == ["done"] and [r["status"] for r in res] == ["skipped", "done"]
     cfgs = [json.loads((tmp_path / "root" / "t" / n / "config.json").read_text()) for n in ("default", "default,seed=1")]
     assert [c["seed"] for c in cfgs] == [0, 1]
