@@ -9,7 +9,6 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable
 
 from diloco.errors import ConfigError
 
@@ -47,11 +46,14 @@ class Num:
 
 @dataclass(frozen=True)
 class OneOf:
-    """A value from `values` (a tuple, or a function returning one, for names defined by another module)."""
-    values: tuple | Callable[[], tuple]
+    """A value from `values`, or (values None) from the names another module defines for the key (_elsewhere)."""
+    values: tuple | None = None
+
+    def valid(self, key: str) -> tuple:
+        return tuple(_elsewhere()[key] if self.values is None else self.values)
 
     def check(self, key: str, v) -> None:
-        valid = tuple(self.values() if callable(self.values) else self.values)
+        valid = self.valid(key)
         if isinstance(v, bool) or v not in valid:
             raise ConfigError(key, f"{v!r} is not one of {', '.join(map(str, valid))}")
 
@@ -84,34 +86,17 @@ class Address:
                                    "grpc://10.0.0.5:7070) or '' (one SPMD job)")
 
 
-def _methods():
-    from diloco.outer.methods import METHODS
-    return METHODS
-
-
-def _scales():
+def _elsewhere() -> dict[str, tuple]:
+    """The names that other modules define, by key (imported when a value is checked: some import jax)."""
     from diloco.model.scales import SCALES
-    return tuple(SCALES)
-
-
-def _codecs():
     from diloco.outer.codecs import ALL_NAMES
-    return ALL_NAMES
-
-
-def _eager_modes():
     from diloco.outer.eager import EAGER_MODES
-    return EAGER_MODES
-
-
-def _outer_optimizers():
-    from diloco.outer.sync import OUTER_OPTIMIZERS
-    return tuple(OUTER_OPTIMIZERS)
-
-
-def _patterns():
     from diloco.outer.fragments import PATTERNS
-    return PATTERNS
+    from diloco.outer.methods import METHODS
+    from diloco.outer.sync import OUTER_OPTIMIZERS
+
+    return {"method": METHODS, "scale": SCALES, "codec": ALL_NAMES, "eager": EAGER_MODES,
+            "outer.name": OUTER_OPTIMIZERS, "pattern": PATTERNS}
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -121,7 +106,7 @@ STEP_OFF = Num(int, 0, fix="a step ≥ 1, or 0 for off")
 REPLICA_OFF = Num(int, -1, fix="a replica index, or -1 for off")
 
 DECLARED: dict[str, object] = {
-    "method": OneOf(_methods), "scale": OneOf(_scales),
+    "method": OneOf(), "scale": OneOf(),
     "data": Text("e.g. stdlib, c4, jsonl:<glob>, tokens:<store> (diloco/data/specs.py)"),
     "data_dir": Text("a TFDS data_dir or ''"), "vocab": Text("byte or sentencepiece:<path>"),
     "seq_len": POS, "batch_size": POS, "accum_steps": POS, "steps": POS, "seed": NONNEG, "log_every": POS,
@@ -129,12 +114,12 @@ DECLARED: dict[str, object] = {
     "checkpoint_every": POS, "keep_checkpoints": POS, "sync": Address(),
     "learner": Num(int, -1, fix="a learner's index 0 … replicas-1 (with sync), or -1"),
     "replicas": POS, "H": POS, "tau": NONNEG, "replica_tau": Text("'' or one τ per replica: '0,1,…'"),
-    "alpha": FRACTION, "fragments": NONNEG, "layers_per_fragment": NONNEG, "pattern": OneOf(_patterns),
-    "embed_fragment": OneOf(("first", "last", "own")), "codec": OneOf(_codecs), "codec_block_size": POS,
+    "alpha": FRACTION, "fragments": NONNEG, "layers_per_fragment": NONNEG, "pattern": OneOf(),
+    "embed_fragment": OneOf(("first", "last", "own")), "codec": OneOf(), "codec_block_size": POS,
     "codec_rounding": OneOf(("nearest", "stochastic")), "codec_keep_fraction": Num(float, 0.0, 1.0, open_lo=True),
     "dp_grad_dtype": OneOf(DTYPES), "freeze_non_syncing": Flag(),
-    "eager": OneOf(_eager_modes), "eager_rounds": POS, "error_feedback": Flag(),
-    "outer.name": OneOf(_outer_optimizers),
+    "eager": OneOf(), "eager_rounds": POS, "error_feedback": Flag(),
+    "outer.name": OneOf(),
     "outer.lr": Num(float, 0.0, open_lo=True), "outer.momentum": PROB, "outer.b2": PROB,
     "outer.eps": Num(float, 0.0, open_lo=True), "outer.weight_decay": Num(float, 0.0),
     "optimizer.lr": Num(float, 0.0, open_lo=True), "optimizer.warmup_steps": NONNEG,

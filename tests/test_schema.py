@@ -33,8 +33,7 @@ def candidates(key: str) -> st.SearchStrategy[str]:
                 else st.floats(lo - 1, lo + 2))
         return st.one_of(junk, nums.map(str))
     if isinstance(d, schema.OneOf):
-        valid = d.values() if callable(d.values) else d.values
-        return st.one_of(junk, st.sampled_from([str(v) for v in valid]))
+        return st.one_of(junk, st.sampled_from([str(v) for v in d.valid(key)]))
     return st.one_of(junk, st.text(st.characters(codec="ascii", exclude_characters="\n\x00"), max_size=12))
 
 
