@@ -57,9 +57,7 @@ def zip_(**axes: list) -> list[dict]:
 
 # -- loading a sweep ---------------------------------------------------------------------------------
 def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def point_name(point: dict) -> str:
