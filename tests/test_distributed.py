@@ -11,6 +11,7 @@ import pytest
 
 from conftest import REPO
 from diloco import distributed as dist, launch
+from diloco.learners.chaos import netns_unusable
 
 TINY = ["--config.scale=tiny", "--config.seq_len=32", "--config.batch_size=4", "--config.steps=8",
         "--config.H=4", "--config.layers_per_fragment=1", "--config.tau=1", "--config.log_every=2",
@@ -18,10 +19,12 @@ TINY = ["--config.scale=tiny", "--config.seq_len=32", "--config.batch_size=4", "
         "--config.optimizer.warmup_steps=2", "--no_progress"]
 
 
-def test_child_env_places_each_process():
+def test_child_env_places_each_process_and_gives_it_its_cpu_devices():
     env = launch.child_env(1, 2, "127.0.0.1:1234", "eth0", comm_device=True)
     assert env[dist.ENV_COORD] == "127.0.0.1:1234" and env[dist.ENV_N] == "2" and env[dist.ENV_ID] == "1"
     assert env[dist.ENV_IFACE] == "eth0" and env[dist.ENV_COMM] == "1"
+    env = launch.child_env(3, 4, "127.0.0.1:1", None, comm_device=False, devices_per_process=2)
+    assert env[dist.ENV_CPU_DEVICES] == "2" and env[dist.ENV_ID] == "3" and dist.ENV_AUTO not in env
 
 
 def test_single_process_needs_no_initialize(monkeypatch):
@@ -74,9 +77,8 @@ def max_rel_diff(a: list[dict], b: list[dict], keys=("train_loss", "eval_loss"))
 
 
 # What docs/distributed.md §1 states. Two processes vs one: the losses differ in the last bits only, at most 8
-# float32 rounding steps (2⁻²⁰ ≈ 9.5e-7 relative) after the 8 steps of TINY. Measured at #30 on the store order:
-# 6.9e-7 for Streaming (with and without the comm device), 2.5e-7 for DP (`pytest -m slow -s` prints it); the
-# size is the batches', not the code's (the code before #30 gives the same 6.9e-7 on the same batches).
+# float32 rounding steps (2⁻²⁰ ≈ 9.5e-7 relative) after the 8 steps of TINY. Measured: 6.9e-7 for Streaming (with
+# and without the comm device), 2.5e-7 for DP (`pytest -m slow -s` prints it); the size is the batches', not the code's.
 TWO_VS_ONE_REL = 2.0**-20
 FOUR_VS_ONE_REL = 1e-6
 
@@ -279,11 +281,6 @@ def test_pod_environment_is_detected_from_the_tpu_variables():
     assert not dist.tpu_pod_env({"TPU_WORKER_HOSTNAMES": libtpu_off_a_tpu_vm})
 
 
-def test_child_env_gives_each_process_its_cpu_devices():
-    env = launch.child_env(3, 4, "127.0.0.1:1", None, comm_device=False, devices_per_process=2)
-    assert env[dist.ENV_CPU_DEVICES] == "2" and env[dist.ENV_ID] == "3" and dist.ENV_AUTO not in env
-
-
 def test_a_gpu_machine_s_gpus_are_split_among_the_processes(monkeypatch, capsys):
     """8 GPUs, 4 processes: each drives its own 2 (JAX's local_device_ids), none shared, none left out."""
     ids = [dist.local_device_ids(launch.child_env(i, 4, "h:1", None, False, gpus=8)) for i in range(4)]
@@ -296,20 +293,8 @@ def test_a_gpu_machine_s_gpus_are_split_among_the_processes(monkeypatch, capsys)
                                                "multiple of --processes (or --gpus 0 for CPU devices)")
 
 
-def _netns_usable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for ip netns / tc"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "needs iproute2 (ip, tc)"
-    r = subprocess.run(["ip", "netns", "add", "dltestprobe"], capture_output=True, text=True)
-    if r.returncode:
-        return f"ip netns add failed: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "dltestprobe"], capture_output=True)
-    return None
-
-
 def test_netns_script_shapes_links():
-    why = _netns_usable()
+    why = netns_unusable()
     if why:
         pytest.skip(why)
     script = str(REPO / "scripts" / "netns.sh")
@@ -332,7 +317,7 @@ def test_netns_script_shapes_links():
 def test_trainer_exchange_overlaps_inner_steps_on_a_throttled_link(tmp_path):
     """At 1 Mbit/s a tiny fragment (12.7 KB in E3M0) takes ≈0.1 s on the wire, ~20 tiny inner steps:
     with a comm device the loop runs the next inner steps while it is in flight."""
-    why = _netns_usable()
+    why = netns_unusable()
     if why:
         pytest.skip(why)
     script = str(REPO / "scripts" / "netns.sh")

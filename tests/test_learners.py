@@ -13,10 +13,8 @@ from diloco.learners.rounds import Rounds, weights
 class FakeExpect:  # two fragments: e3m0 of 6 and of 300 elements (block 256: 1 and 2 scales)
     fingerprint: str = "f" * 64
     codec: str = "e3m0"
-
-    def layout(self, p):
-        return [(("codes", "uint8", (3,), 3), ("scales", "float32", (1,), 4)),
-                (("codes", "uint8", (150,), 150), ("scales", "float32", (2,), 8))][p]
+    layouts: tuple = ((("codes", "uint8", (3,), 3), ("scales", "float32", (1,), 4)),
+                      (("codes", "uint8", (150,), 150), ("scales", "float32", (2,), 8)))
 
 
 def push(**over):
@@ -32,7 +30,7 @@ def test_a_good_push_passes_and_splits_into_its_arrays():
     h, pl = proto.unframe(proto.frame(head, payload))
     assert proto.check_push(h, pl, FakeExpect(), learners=2, fragments=2) == [("codes", "uint8", (3,)),
                                                                                ("scales", "float32", (1,))]
-    parts = proto.split_payload(pl, FakeExpect().layout(0))
+    parts = proto.split_payload(pl, FakeExpect().layouts[0])
     assert parts["codes"] == ("uint8", (3,), b"\1\2\3") and parts["scales"][2] == struct.pack("<f", 0.5)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from diloco.learners.chaos import rows
+from diloco.rundir import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.learners]
 TOKEN = "learners-test-token-0123456789"
@@ -56,8 +56,9 @@ def test_two_learners_give_the_spmd_runs_numbers(tmp_path):
     out = two_learners(cfg, port, tmp_path)
     server.stop(0)
     assert sorted(out) == [0, 1]
-    want = np.array([r["train_loss_replicas"] for r in rows(tmp_path / "spmd" / "metrics.jsonl")])
-    got = np.array([[r["train_loss"] for r in rows(tmp_path / f"learner{m}" / "metrics.jsonl")] for m in (0, 1)]).T
+    want = np.array([r["train_loss_replicas"] for r in read_jsonl(tmp_path / "spmd" / "metrics.jsonl")])
+    got = np.array([[r["train_loss"] for r in read_jsonl(tmp_path / f"learner{m}" / "metrics.jsonl")]
+                    for m in (0, 1)]).T
     assert want.shape == got.shape == (8, 2)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
     assert out[0]["params_sha256"] == out[1]["params_sha256"]  # one θᵍ, from the same answers
@@ -85,7 +86,7 @@ def test_quantized_answers_keep_every_learner_on_the_synchronizers_theta(tmp_pat
     quantized = sum(r * codecs.encoded_nbytes(codec, n) for r, n in zip(out[0]["rounds"], sizes))
     assert quantized < out[0]["bytes_received"] - join < quantized + 400 * sum(out[0]["rounds"])  # headers ≤ 400 B
     client, one = (SyncClient(f"127.0.0.1:{port}", TOKEN, m, common.fingerprint(cfg), timeout=60, retry_for=0) for m in (0, 1))
-    zeros, k = {n: np.zeros(s, d) for n, d, s, _ in syncer.expect.layout(0)}, syncer.rounds.merged[0] + 1
+    zeros, k = {n: np.zeros(s, d) for n, d, s, _ in syncer.expect.layouts[0]}, syncer.rounds.merged[0] + 1
     pending = one.push(0, k, 64, "e3m0", zeros, have=k - 1)
     h, theta = client.answer(client.push(0, k, 64, "e3m0", zeros))  # no `have`: fp32
     assert "base" not in h and np.array_equal(theta, np.asarray(syncer.sync.frags.flatten(syncer.outer.params, 0)))
@@ -101,7 +102,7 @@ def test_bad_messages_are_refused_and_the_service_keeps_serving(tmp_path):
     cfg = tiny_config("streaming", **OVER)
     syncer, server, port = start(cfg, quorum=1)
     good = SyncClient(f"127.0.0.1:{port}", TOKEN, 0, common.fingerprint(cfg), timeout=60)
-    zeros, push = {n: np.zeros(s, d) for n, d, s, _ in syncer.expect.layout(0)}, good.calls["Push"]
+    zeros, push = {n: np.zeros(s, d) for n, d, s, _ in syncer.expect.layouts[0]}, good.calls["Push"]
 
     def refused(body, code=grpc.StatusCode.INVALID_ARGUMENT, meta=good.meta):
         with pytest.raises(grpc.RpcError) as e:
@@ -110,7 +111,7 @@ def test_bad_messages_are_refused_and_the_service_keeps_serving(tmp_path):
         return e.value.details()
 
     head = {"v": 1, "learner": 1, "fragment": 0, "round": 1, "tokens": 64, "fingerprint": common.fingerprint(cfg),
-            "codec": "e3m0", "arrays": [[n, d, list(s)] for n, d, s, _ in syncer.expect.layout(0)]}
+            "codec": "e3m0", "arrays": [[n, d, list(s)] for n, d, s, _ in syncer.expect.layouts[0]]}
     body = proto.frame(head, b"".join(z.tobytes() for z in zeros.values()))
     rest = body[len(proto.frame(head)):]
     assert "token" in refused(body, grpc.StatusCode.UNAUTHENTICATED, meta=(("authorization", "Bearer nope"),))
@@ -146,7 +147,7 @@ def test_the_synchronizer_resumes_from_its_checkpoint_and_a_failed_merge_is_answ
     cfg = tiny_config("streaming", **OVER)
     a, server, port = start(cfg, quorum=1, workdir=tmp_path / "s")
     client = SyncClient(f"127.0.0.1:{port}", TOKEN, 0, common.fingerprint(cfg), timeout=60, retry_for=0)
-    zeros = {n: np.full(s, 1, d) for n, d, s, _ in a.expect.layout(0)}
+    zeros = {n: np.full(s, 1, d) for n, d, s, _ in a.expect.layouts[0]}
     h1, theta1 = client.answer(client.push(0, 1, 64, "e3m0", zeros))
     server.stop(0)
     a.ck.close()
@@ -219,7 +220,7 @@ def test_chaos_four_learners(tmp_path, no_fault_band, faults):
     assert stats["resumed"] >= 1 and stats["failed"] is None and min(stats["merged_rounds"]) >= s0["rounds"][0] - 1 > 0
     assert 0 < s1["resumed_at"] <= ev["learner1_killed_after_step"] and s1["resumed_at"] % 4 == 0
     assert int(stats["dropped_late"].get("3", 0)) >= 1 and s0["retries"] >= 1 and s0["steps_with_an_answer_owed"] >= 1
-    unix = np.array([row["unix"] for row in rows(tmp_path / "learner0" / "metrics.jsonl")])  # one row a step
+    unix = np.array([row["unix"] for row in read_jsonl(tmp_path / "learner0" / "metrics.jsonl")])  # one row a step
     between = np.diff(unix)[(unix[1:] > ev["learner1_killed_at"]) & (unix[1:] < ev["syncer_killed_at"])]
     assert len(unix) == steps and len(between) >= 2 and between.max() <= grace + 2.0, between
     assert abs(r["eval_loss"] - no_fault_band[0]) <= max(no_fault_band) - min(no_fault_band), no_fault_band

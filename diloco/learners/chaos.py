@@ -26,11 +26,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from diloco.launch import free_port
+from diloco.rundir import read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "chaos-run-token-0123456789abcdef"
@@ -63,16 +65,6 @@ def throttle(n: int) -> str:
                             "eth0"], capture_output=True, text=True).stdout
     return (f"{LINK[0]}, {LINK[1]}, {LINK[2]} loss" if "netem" in qdisc else
             f"{LINK[0]}; no delay or loss: netem (sch_netem) is not in this kernel")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 class Cluster:
@@ -120,7 +112,7 @@ class Cluster:
                                    "--sleep", str(sleep)], ns=m + 1, env=devices)
 
     def steps(self, m: int) -> int:
-        return len(rows(self.root / f"learner{m}" / "metrics.jsonl"))
+        return len(read_jsonl(self.root / f"learner{m}" / "metrics.jsonl"))
 
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text()[-3000:]
@@ -190,7 +182,7 @@ def run(root: Path, faults: set[str], learners: int, steps: int, overrides: dict
         if link != "loopback":
             netns_sh("down", str(learners + 1))
     summaries = [json.loads((root / f"learner{m}" / "summary.json").read_text()) for m in range(learners)]
-    unix = [[row["unix"] for row in rows(root / f"learner{m}" / "metrics.jsonl")] for m in range(learners)]
+    unix = [[row["unix"] for row in read_jsonl(root / f"learner{m}" / "metrics.jsonl")] for m in range(learners)]
     train = max(u[-1] for u in unix) - min(u[0] for u in unix)  # first step done → last step done, any learner
     return {"faults": "+".join(sorted(faults)) or "none", "learners": learners, "steps": steps, "quorum": quorum,
             "grace": grace, "wall_seconds": round(wall, 2), "train_seconds": round(train, 2),
@@ -258,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     name = lambda faults: "+".join(sorted(faults)) or "none"
     only = set(args.only.split(",")) - {""}
     plan = [p for p in plan if not only or f"{name(p[0])}-{p[2]}" in only]
-    results = rows(out / "chaos.jsonl") if only else []
+    results = read_jsonl(out / "chaos.jsonl") if only else []
     for faults, seed, answer in plan:
         results = [r for r in results if (r["faults"], r["answer"], r["seed"]) != (name(faults), answer, seed)]
         root = Path(args.runs or out / "runs") / f"{name(faults)}-{answer}-seed{seed}"
@@ -269,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: r[k] for k in ("faults", "answer", "seed", "wall_seconds",
                                             "goodput_tokens_per_s_per_learner", "compute_utilisation",
                                             "eval_loss")}), flush=True)
-    with open(out / "chaos.jsonl", "w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(out / "chaos.jsonl", results)
     (out / "chaos.md").write_text(table(results))
     return 0
 

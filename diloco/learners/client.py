@@ -45,9 +45,6 @@ class Pending:
         self.down = False
         self.fut: futures.Future | None = None
 
-    def done(self) -> bool:
-        return self.fut.done()
-
     def wait(self) -> bool:
         """Wait for the answer unless the synchronizer is unreachable: True when the answer is here."""
         while not self.fut.done():
@@ -67,8 +64,7 @@ class SyncClient:
                  tls_ca: bytes | None = None, tls_pair: tuple[bytes, bytes] | None = None):
         import grpc
 
-        if address.startswith("grpc://"):
-            address = address[len("grpc://"):]
+        address = address.removeprefix("grpc://")
         self.grpc, self.timeout, self.retry_for, self.log = grpc, timeout, retry_for, log
         options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
         key, cert = tls_pair or (None, None)  # a client certificate, for a synchronizer that asks for one (mTLS)
@@ -191,26 +187,25 @@ class Learner:
 
         if (kind, p) not in self._jit:
             sync, M, m = self.sync, self.cfg.replicas, self.m
+
+            def outer(state, theta_n):  # θᵍ_p from the synchronizer into the outer params
+                return state.replace(outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,
+                                                                                            theta_n)))
             if kind == "encode":  # Δ of the one replica, encoded with the SPMD run's key for replica m
                 def f(state, key):
                     return codecs.encode(sync.codec, sync.flat(sync.delta(state.params, state.outer, p))[0],
                                          jax.random.split(key, M)[m])
-            elif kind == "theta":  # θᵍ_p from the synchronizer into the outer params
-                def f(state, theta_n):
-                    return state.replace(outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,
-                                                                                                theta_n)))
+            elif kind == "theta":
+                f = outer
             elif kind == "update":  # a quantized answer: θᵍ_p + decode(update), the synchronizer's program
                 add = common.apply_update(sync.codec, sync.frags.sizes[p])
 
                 def f(state, payload):
-                    theta_n = add(sync.frags.flatten(state.outer.params, p), payload)
-                    return state.replace(outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,
-                                                                                                theta_n)))
+                    return outer(state, add(sync.frags.flatten(state.outer.params, p), payload))
             elif kind == "adopt":  # catching up: θᵍ_p as outer and as this learner's own fragment p
                 def f(state, theta_n):
-                    return state.replace(params=jax.vmap(lambda th: sync.frags.unflatten(th, p, theta_n))(state.params),
-                                         outer=state.outer.replace(params=sync.frags.unflatten(state.outer.params, p,
-                                                                                               theta_n)))
+                    return outer(state, theta_n).replace(
+                        params=jax.vmap(lambda th: sync.frags.unflatten(th, p, theta_n))(state.params))
             else:  # merge
                 def f(state, mask):
                     return state.replace(params=sync.merge(state.params, state.outer, p, mask))
@@ -261,7 +256,7 @@ class Learner:
 
         tokens_per_step = self.b * self.cfg.seq_len
         for p in sorted(self.owed):  # late answers that have come: applied and merged now
-            if self.inflight[p][1].done():
+            if self.inflight[p][1].fut.done():
                 self.land(p, merge=True)
         for p in self.schedule.sends(t):
             if p in self.inflight:  # one round in flight per fragment: the previous one's answer first
@@ -306,11 +301,6 @@ class Learner:
             self.state = self.program("merge", p)(self.state, jnp.ones((1,), bool))
         return head
 
-    def drain(self) -> None:
-        """Every answer in flight landed (and owed merges done): what a checkpoint and the end hold."""
-        for p in sorted(self.inflight):
-            self.land(p, merge=p in self.owed)
-
     def save(self, t: int) -> None:
         """A checkpoint of step t: the answers in flight landed first, except those owed by a synchronizer that
         is down (not waited for): their rounds are not in it (counted as not landed), and a resume catches up
@@ -344,7 +334,8 @@ class Learner:
                                    "seconds": round(time.time() - t0, 3), "unix": round(time.time(), 3)})
             if t % self.cfg.checkpoint_every == 0 or t == self.cfg.steps:
                 self.save(t)
-        self.drain()  # θᵍ with every round in flight applied (the SPMD summary's)
+        for p in sorted(self.inflight):  # θᵍ with every round in flight applied (the SPMD summary's)
+            self.land(p, merge=p in self.owed)
         loop = time.time() - t0
         self.data.close()
         self.ck.close()
@@ -384,12 +375,9 @@ def run_learner(cfg, args: argparse.Namespace) -> dict:
         raise ConfigError("learner", f"{cfg.learner}: --config.sync={cfg.sync} makes this process one independent "
                                      f"learner; give its index, --config.learner=m (0 … replicas-1 = {cfg.replicas - 1})")
     ca = None if args.tls_ca is None else common.read_file(args.tls_ca, "tls_ca")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ConfigError("tls_cert", "give both --tls_cert and --tls_key (PEM files), or neither")
-    if args.tls_cert is not None and ca is None:
+    pair = common.read_tls(args.tls_cert, args.tls_key, "", insecure=True)  # a client certificate (mTLS), or None
+    if pair is not None and ca is None:
         raise ConfigError("tls_cert", "a client certificate is presented over TLS only: give --tls_ca too")
-    pair = None if args.tls_cert is None else (common.read_file(args.tls_key, "tls_key"),
-                                                common.read_file(args.tls_cert, "tls_cert"))
     client = SyncClient(cfg.sync, common.read_token(args.token_file), cfg.learner, common.fingerprint(cfg),
                         retry_for=args.retry_for, tls_ca=ca, tls_pair=pair)
     return Learner(cfg, cfg.learner, client, args.workdir, args.sleep).train()

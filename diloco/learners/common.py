@@ -59,9 +59,6 @@ class Expect:
     codec: str
     layouts: tuple  # per fragment: ((name, dtype, shape, nbytes), …) in name order
 
-    def layout(self, p: int):
-        return self.layouts[p]
-
 
 def payload_layouts(sync) -> tuple:
     """Per fragment, the codec's arrays for its n_p elements: ((name, dtype, shape, nbytes), …), sorted by
@@ -95,8 +92,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def read_tls(cert: str | None, key: str | None, host: str, insecure: bool) -> tuple[bytes, bytes] | None:
-    """The synchronizer's (key, certificate) PEM bytes, or None for plain gRPC: which only loopback gets unless
-    --insecure says so (the token would cross the network in the clear)."""
+    """The (key, certificate) PEM bytes of --tls_cert/--tls_key, or None for plain gRPC: which the synchronizer
+    serves only on loopback unless --insecure says so (the token would cross the network in the clear)."""
     if (cert is None) != (key is None):
         raise ConfigError("tls_cert", "give both --tls_cert and --tls_key (PEM files), or neither")
     if cert is None:

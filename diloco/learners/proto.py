@@ -84,7 +84,7 @@ def check_fields(header: dict, fields: dict) -> None:
 
 def check_push(header: dict, payload: bytes, expect, learners: int, fragments: int) -> list[tuple[str, str, tuple]]:
     """A Push header and payload checked against what this synchronizer expects; returns its arrays'
-    layout [(name, dtype, shape)]. `expect` holds fingerprint, codec and layout(p) → [(name, dtype,
+    layout [(name, dtype, shape)]. `expect` holds fingerprint, codec and layouts[p] = [(name, dtype,
     shape, nbytes)], the codec's arrays for fragment p."""
     check_fields(header, PUSH_FIELDS)
     if not isinstance(header.get("retry", False), bool):
@@ -106,7 +106,7 @@ def check_push(header: dict, payload: bytes, expect, learners: int, fragments: i
         raise Rejected(f"round {k} must be ≥ 1")
     if tok < 1:
         raise Rejected(f"tokens {tok} must be ≥ 1 (the merge weights contributions by tokens)")
-    want = expect.layout(p)
+    want = expect.layouts[p]
     got = [(a[0], a[1], tuple(a[2])) if isinstance(a, list) and len(a) == 3 and isinstance(a[2], list) else a
            for a in header["arrays"]]
     if got != [(n, d, s) for n, d, s, _ in want]:
@@ -127,12 +127,6 @@ def split_payload(payload: bytes, layout) -> dict[str, tuple[str, tuple, bytes]]
     return out
 
 
-def authorized(metadata, token: str) -> bool:
-    """True when the call's metadata carries `authorization: Bearer <token>` (constant-time compare)."""
-    got = dict(metadata or ()).get("authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
-
-
 ANY = -1  # the shared token's holder: may push for any learner (tests, an operator)
 
 
@@ -142,9 +136,10 @@ def learner_token(secret: str, m: int) -> str:
 
 
 def caller(metadata, secret: str, learners: int) -> int | None:
-    """Who the call's token is: ANY (the shared secret), a learner id (its derived token), or None."""
-    who = None
+    """Who the call's `authorization: Bearer <token>` is: ANY (the shared secret), a learner id (its derived
+    token), or None. Constant-time compares."""
+    who, got = None, dict(metadata or ()).get("authorization", "").encode()
     for m, tok in [(ANY, secret)] + [(m, learner_token(secret, m)) for m in range(learners)]:
-        if authorized(metadata, tok):  # every candidate compared: the time does not say which one matched
+        if hmac.compare_digest(got, f"Bearer {tok}".encode()):  # every one compared: the time does not say which
             who = m
     return who

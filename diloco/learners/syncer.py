@@ -184,7 +184,7 @@ class Synchronizer:
         if who not in (proto.ANY, m):
             raise proto.Rejected(f"forbidden: learner {who}'s token cannot push learner {m}'s contribution")
         arrays = {name: np.frombuffer(b, dtype).reshape(shape)
-                  for name, (dtype, shape, b) in proto.split_payload(payload, self.expect.layout(p)).items()}
+                  for name, (dtype, shape, b) in proto.split_payload(payload, self.expect.layouts[p]).items()}
         with self.cond:
             if self.failed:
                 raise MergeFailed(self.failed)
