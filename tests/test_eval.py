@@ -14,7 +14,8 @@ import pytest
 for _k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_k] = "1"
 
-from diloco.eval import benchmarks as B, score  # noqa: E402
+from conftest import tiny_config  # noqa: E402
+from diloco.eval import benchmarks as B, cli, score  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 EVAL = SHARED / "data" / "eval"
@@ -304,8 +305,6 @@ def test_left_truncation_and_batch_invariance(tiny):
 # ---------------------------------------------------------------- CLI, summary, live API
 
 def test_cli_writes_rows_and_merges_summary(tmp_path, data, tiny, monkeypatch):
-    from diloco.eval import cli
-
     apply_fn, params = tiny
     monkeypatch.setattr(cli, "load_run", lambda wd, which: cli.LoadedRun(
         apply_fn, params, ByteVocab(), 128, {"params": which, "step": 0, "params_sha256": "-"}))
@@ -411,8 +410,6 @@ def test_trained_toy_checkpoint_native_vs_lm_eval_cli(tmp_path, data):
     subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--config", "experiments/toy.py:dp",
                     "--workdir", str(wd), "--config.steps=40", "--no_progress"], check=True, env=env,
                    cwd=Path(__file__).resolve().parents[1])
-    from diloco.eval import cli
-
     out = tmp_path / "native.jsonl"
     assert cli.main(["--workdir", str(wd), "--tasks", "hellaswag,piqa,arc_easy", "--data_dir", str(data),
                      "--limit", "25", "--output", str(out)]) == 0
@@ -439,8 +436,6 @@ def test_trained_toy_checkpoint_native_vs_lm_eval_cli(tmp_path, data):
 @pytest.fixture(scope="module")
 def streaming_in_flight(tmp_path_factory):
     """A tiny Streaming run (40 steps, H=10, τ=2) that ends with fragments in flight."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import tiny_config
     from diloco.train import train
 
     wd = tmp_path_factory.mktemp("streaming_in_flight")
@@ -467,7 +462,6 @@ def _eval_loss(cfg, apply_fn, params) -> float:
 def test_diloco_eval_scores_the_drained_params_the_summary_reports(streaming_in_flight):
     """What `diloco eval` (and lm-eval through the adapter) loads is θᵍ drained: its sha256 is the
     summary's params_sha256 and its loss on the eval batches is final_eval_loss."""
-    from diloco.eval import cli
     from diloco.outer.sync import params_sha256
 
     cfg, wd, summary = streaming_in_flight
@@ -478,7 +472,8 @@ def test_diloco_eval_scores_the_drained_params_the_summary_reports(streaming_in_
 
 
 def test_diloco_eval_undrained_and_one_replica_on_request(streaming_in_flight):
-    from diloco.eval import cli
+    import jax
+
     from diloco.outer.sync import params_sha256
     from diloco.eval.runs import load_run
 
@@ -489,20 +484,12 @@ def test_diloco_eval_undrained_and_one_replica_on_request(streaming_in_flight):
                                                                       rel=1e-6, abs=0)
     _, _, state = load_run(wd)
     rep = cli.load_run(wd, "replica:1")
-    for a, b in zip(jax_leaves(rep.params), jax_leaves(state.params)):
-        np.testing.assert_array_equal(a, b[1])
+    for a, b in zip(jax.tree_util.tree_leaves(rep.params), jax.tree_util.tree_leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[1])
     assert rep.about["params_sha256"] == params_sha256(rep.params)
 
 
-def jax_leaves(tree):
-    import jax
-
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
-
-
 def test_diloco_eval_says_which_params_it_scored(streaming_in_flight, data, capsys):
-    from diloco.eval import cli
-
     _, wd, summary = streaming_in_flight
     assert cli.main(["--workdir", str(wd), "--tasks", "piqa", "--data_dir", str(data), "--limit", "2",
                      "--no_summary"]) == 0
@@ -516,8 +503,6 @@ def test_diloco_eval_says_which_params_it_scored(streaming_in_flight, data, caps
 
 def test_eval_of_a_missing_run_says_the_run_is_missing(tmp_path, capsys):
     """The run is checked before its eval data: a folder with no run says so, not that hellaswag is missing."""
-    from diloco.eval import cli
-
     assert cli.main(["--workdir", str(tmp_path / "nope"), "--data_dir", str(tmp_path / "nodata")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"diloco eval: --workdir {tmp_path / 'nope'}: no run there (no config.json); give the --workdir "

@@ -1,11 +1,17 @@
 """The decoder: causality, parameter counts per scale, loss masking and z-loss, scan/remat layouts."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import tiny_config
+from diloco import resolve
+from diloco.errors import ConfigError
 from diloco.model import SCALES, ModelConfig, Transformer, formula_params, loss_fn, param_count
-from diloco.model.scales import label_params
+from diloco.model.scales import Scale, label_params
+from diloco.model.transformer import splash_attention
 
 PAPER = ["35M", "100M", "200M", "300M", "500M", "1B", "4B", "10B"]
 
@@ -71,9 +77,6 @@ def test_bfloat16_compute_keeps_float32_params():
 
 def test_sizes_counts_each_scale_as_a_run_builds_it(capsys):
     """`diloco sizes` shows tiny at the byte vocabulary a tiny run uses: the trainer's own count."""
-    import json
-
-    from conftest import tiny_config
     from diloco.model import sizes
     from diloco.trainer import Trainer
 
@@ -171,8 +174,6 @@ def test_legacy_remat_flag_means_full():
 @pytest.mark.parametrize("field,kw", [("model.remat_policy", dict(remat_policy="dots")),
                                       ("model.attention", dict(attention="flash"))])
 def test_bad_model_options_name_their_field(field, kw):
-    from diloco.errors import ConfigError
-
     with pytest.raises(ConfigError) as e:
         small(**kw)
     assert e.value.field == field
@@ -232,8 +233,6 @@ def test_splash_attention_matches_xla_in_loss_and_gradients():
 
 def test_splash_attention_is_causal():
     """Changing the last token leaves every earlier position's output unchanged (the kernel's mask)."""
-    from diloco.model.transformer import splash_attention
-
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32) for _ in range(3))
     a = splash_attention(q, k, v, interpret=True)
@@ -243,9 +242,6 @@ def test_splash_attention_is_causal():
 
 
 def test_splash_needs_whole_tiles():
-    from diloco.errors import ConfigError
-    from diloco.model.transformer import splash_attention
-
     q = jnp.zeros((1, 192, 2, 16))
     with pytest.raises(ConfigError) as e:
         splash_attention(q, q, q, interpret=True)
@@ -277,24 +273,17 @@ def _cfg(scale="4B", **kw):
 def test_attention_is_resolved_once_for_the_platform_with_its_reason(scale, platform, over, want, why):
     """diloco/resolve.py: auto → splash on TPU (whole tiles), cuDNN's fused kernel on GPU where dtype and
     head size allow (else XLA, saying why), XLA on CPU; an explicit choice is kept."""
-    from diloco import resolve
-
     got, reason = resolve.attention(_cfg(scale, **over), platform)
     assert got == want and why in reason, (got, reason)
 
 
 def test_cudnn_needs_a_head_dim_it_supports(monkeypatch):
-    from diloco import resolve
-    from diloco.model.scales import SCALES, Scale
-
     monkeypatch.setitem(SCALES, "odd", Scale(layers=2, d_model=2 * 36, heads=2, mlp_dim=64))  # K = 36: not /8
     got, why = resolve.attention(_cfg("odd", dtype="bfloat16"), "gpu")
     assert got == "xla" and "multiple of 8" in why and "36" in why
 
 
 def test_the_model_takes_concrete_attention_only():
-    from diloco.errors import ConfigError
-
     with pytest.raises(ConfigError, match="model.attention"):
         ModelConfig.from_scale("tiny", vocab_size=64, attention="auto")
 
@@ -303,8 +292,6 @@ def test_the_model_takes_concrete_attention_only():
     ("tiny", "tpu", {}, "none"), ("35M", "cpu", {}, "full"), ("35M", "tpu", {}, "full"),
     ("1B", "gpu", {}, "full"), ("35M", "tpu", {"remat": True}, "full"), ("4B", "tpu", {"remat_policy": "none"}, "none")])
 def test_remat_is_resolved_by_scale_and_platform(scale, platform, over, want):
-    from diloco import resolve
-
     assert resolve.remat(_cfg(scale, **over), platform)[0] == want
 
 
@@ -312,19 +299,12 @@ def test_remat_is_resolved_by_scale_and_platform(scale, platform, over, want):
                                              ("35M", "auto", True), ("10B", "auto", True),
                                              ("35M", False, False), ("toy", "True", True), ("4B", "false", False)])
 def test_scan_auto_stacks_the_paper_scales_only(scale, scan, want):
-    from diloco import resolve
-
     assert resolve.scan(_cfg(scale, scan=scan))[0] is want
 
 
 def test_the_plan_is_recorded_and_a_changed_plan_is_stale():
     """The trainer's plan (summary.json "resolved") holds every resolved choice; the sweep calls a record
     stale when the config now resolves one of them differently on the run's platform and devices."""
-    import jax
-    from conftest import tiny_config
-
-    from diloco import resolve
-
     cfg = tiny_config("streaming", tau=1)
     plan = resolve.resolve(cfg, jax.devices()[:1]).to_json()
     assert {k: plan[k] for k in ("platform", "devices", "attention", "remat", "scan", "exchange")} == {
@@ -341,13 +321,6 @@ def test_the_plan_is_recorded_and_a_changed_plan_is_stale():
 def test_sweep_staleness_compares_the_recorded_plan(tmp_path):
     """A finished run's recorded plan replaces the `auto` text of the fields it resolves: the same plan
     is not stale whatever the config spells; a plan the config now resolves differently is."""
-    import json
-
-    import jax
-    from conftest import tiny_config
-
-    from diloco import resolve
-
     cfg = tiny_config("streaming", tau=1)
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"resolved": resolve.resolve(cfg, jax.devices()[:1]).to_json()}))

@@ -2,16 +2,18 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from diloco.data import reader, store
+from diloco.data import prepare, reader, specs, store, tasks
 from diloco.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +83,6 @@ def test_a_store_smaller_than_a_batch_is_refused():
 
 # -- the store's rows are the corpus's tokens ----------------------------------------------------------
 def test_rows_are_the_concatenated_parts_and_tokens_equal_the_seqio_tokens(corpus, st):
-    from diloco.data import specs, tasks
-
     man = store.read_manifest(st)
     s = store.Store(st, "train")
     assert len(s.files) > 1 and man["splits"]["train"]["tokens"] == s.tokens
@@ -213,8 +213,6 @@ def test_a_store_with_another_fingerprint_is_refused_on_resume_naming_both(st, c
 def test_a_damaged_part_is_refused_in_one_line_naming_it_and_a_garbage_manifest_too(st, tmp_path, damage):
     """Each part's size and sha256 (in the manifest, under the fingerprint) are checked when the split is opened,
     before any row is read: an undamaged split of the same store still opens."""
-    import shutil
-
     copy = tmp_path / "s"
     shutil.copytree(st, copy)
     part = sorted((copy / "validation").glob("part-*.bin"))[0]
@@ -292,8 +290,6 @@ def test_a_worker_holds_one_chunk_not_its_shard_and_the_store_is_unchanged(st, c
     """Streaming: each part is written chunk by chunk (a byte block of CHUNK_BYTES, or BATCH_DOCS documents of
     the seqio Task), so the most tokens a worker holds is one chunk, a small share of its ~1 MiB part, and the
     bytes (the fingerprint) are those of the store made with the default chunks."""
-    from diloco.data import tasks
-
     monkeypatch.setattr(tasks, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(tasks, "BATCH_DOCS", 1)
     if seqio_only:
@@ -301,8 +297,6 @@ def test_a_worker_holds_one_chunk_not_its_shard_and_the_store_is_unchanged(st, c
     man = store.tokenize(corpus, "byte", str(tmp_path / "s"), workers=1, progress=False)
     assert man["fingerprint"] == store.read_manifest(st)["fingerprint"]
     metas = [json.loads(p.read_text()) for p in sorted((tmp_path / "s" / "train").glob("*.json"))]
-    from diloco.data import specs
-
     longest = max(os.path.getsize(f) for f in specs.parse_data(corpus).files)
     bound = longest + 1 if seqio_only else 4096  # one document (its bytes + EOS), or one block
     assert len(metas) > 1 and all(m["most_tokens_held"] <= bound < m["tokens"] / 2 for m in metas), metas
@@ -318,8 +312,6 @@ def test_workers_default_to_every_core_and_are_capped_by_memory(ram_gib, cpus, a
 
 
 def test_an_unwritable_out_fails_in_one_line_before_tokenizing(corpus, tmp_path, monkeypatch):
-    from diloco.data import tasks
-
     monkeypatch.setattr(tasks, "shard_chunks", lambda *a: pytest.fail("tokenized before the probe"))
     (tmp_path / "f").write_text("a file")
     with pytest.raises(ConfigError, match=r"cannot write the token store at .*f/s.*--scopes=cloud-platform") as e:
@@ -449,10 +441,6 @@ def test_retokenizing_another_corpus_into_a_store_unpublishes_it_until_done(corp
 def test_concurrent_first_use_tokenizes_once_and_every_caller_reads_the_store(corpus, st, tmp_path, monkeypatch):
     """Three callers (threads here; processes of one machine lock the same file the same way: flock) ask for the
     store of a corpus spec at once: one tokenizes it while the others wait on the lock file, then all read it."""
-    import threading
-
-    from diloco.data import prepare
-
     monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
     real, calls = store.tokenize, []
 
@@ -494,8 +482,6 @@ def test_a_tfds_corpus_is_prepared_by_a_single_small_run_only(tmp_path, monkeypa
     C4 sample); a large one, or any in a multi-process run, is refused in one line before anything is tokenized,
     naming `diloco data tokenize … --out gs://…` and --config.data=tokens:…; once the store is in the cache a
     multi-process run reads it."""
-    from diloco.data import prepare
-
     monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(store, "tokenize", lambda *a, **k: pytest.fail("tokenized"))
     small, large = _fake_tfds(tmp_path / "small", 1000), _fake_tfds(tmp_path / "large", prepare.AUTO_TFDS_MAX_DOCS + 1)
@@ -522,8 +508,6 @@ def test_a_tfds_corpus_is_prepared_by_a_single_small_run_only(tmp_path, monkeypa
 def test_an_edited_local_corpus_gets_a_new_store(tmp_path, monkeypatch):
     """The cache key of a local corpus holds its files' mtimes (the store's fingerprint does not): a file edited
     in place, even to the same size, is tokenized again instead of being read stale from the cache."""
-    from diloco.data import prepare
-
     monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "cache"))
     data = make_text_corpus(tmp_path / "c", n_train=3, n_val=1, size=5_000)
     a = prepare.store_for(data, "byte")

@@ -139,12 +139,10 @@ def score_items(apply_fn: ApplyFn, params: Any, vocab: Any, items: Sequence[benc
     rows = []
     for it, (s, n) in zip(items, spans):
         lls = [ll for ll, _ in out[s:s + n]]
-        m = item_metrics(lls, it.choices, it.label)
         rows.append({"task": it.benchmark, "id": it.id, "loglikelihoods": lls,
                      "continuation_bytes": [len(c.encode("utf-8")) for c in it.choices],
                      "continuation_chars": [len(c) for c in it.choices],
-                     "label": it.label, "pred": m["pred"], "pred_norm": m["pred_norm"],
-                     "acc": m["acc"], "acc_norm": m["acc_norm"]})
+                     "label": it.label, **item_metrics(lls, it.choices, it.label)})
     return rows
 
 
