@@ -18,15 +18,14 @@ from diloco.sweep_status import read_json
 REPO = Path(__file__).resolve().parents[2]  # diloco/report/records.py → the repository
 PAPER_DIR = REPO / "results" / "paper"
 # Spec argument fields of the experiments that take several (experiments/<stem>.py:a,b,c).
-SPEC_ARGS = {"c4_scaling": ("scale", "label", "M"), "claims": ("scale", "label", "M"), "dolma_overtraining": ("scale", "tokens", "label", "M"),
-             "ablate_compression": ("scale", "scheme"), "ablate_replicas": ("scale", "M", "fixed"),
-             "ablate_H": ("scale", "variant"), "fedpart": ("scale", "freeze"), "eager": ("scale", "row", "base")}
-CONFIG_COLS = ("data", "vocab", "scale", "method", "H", "tau", "replica_tau", "alpha", "codec",
-               "codec_keep_fraction",
+SPEC_ARGS = {"c4_scaling": ("scale", "label", "M"), "claims": ("scale", "label", "M"),
+             "dolma_overtraining": ("scale", "tokens", "label", "M"), "ablate_compression": ("scale", "scheme"),
+             "ablate_replicas": ("scale", "M", "fixed"), "ablate_H": ("scale", "variant"),
+             "fedpart": ("scale", "freeze"), "eager": ("scale", "row", "base")}
+CONFIG_COLS = ("data", "vocab", "scale", "method", "H", "tau", "replica_tau", "alpha", "codec", "codec_keep_fraction",
                "layers_per_fragment", "pattern", "replicas", "batch_size", "seq_len", "steps", "freeze_non_syncing")
 SUMMARY_COLS = ("data_store", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync", "syncs", "params",
-                "fragments",
-                "tokens", "wall_seconds")
+                "fragments", "tokens", "wall_seconds")
 TASKS = ("hellaswag", "piqa", "arc_easy")
 
 
