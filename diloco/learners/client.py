@@ -175,7 +175,7 @@ class Learner:
         self.last_send = [0] * self.sync.frags.P   # step of each fragment's previous send
         self.inflight: dict[int, tuple[int, Pending]] = {}  # p → (round, its push)
         self.owed: set[int] = set()                # fragments whose answer came late: apply and merge owed
-        self.stalled = self.deferred_steps = 0     # steps trained while an answer was owed
+        self.deferred_steps = 0                    # steps trained while an answer was owed
         self.waited = 0.0                          # seconds the loop waited for answers (transfers not hidden)
         self.caught_up: list[int] = []             # rounds skipped by catch_up, per fragment
         self._jit: dict = {}

@@ -44,8 +44,7 @@ class Synchronizer:
 
         from diloco.trainer import Trainer
 
-        lcfg = common.learner_config(cfg)
-        self.tr = Trainer(lcfg, devices=jax.devices()[:1])
+        self.tr = Trainer(common.learner_config(cfg), devices=jax.devices()[:1])
         self.sync = self.tr.sync
         self.outer = self.tr.fresh_state().outer  # θᵍ as every run makes it (jitted init: the same bits)
         self.learners, P = cfg.replicas, self.sync.frags.P
