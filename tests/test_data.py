@@ -2,11 +2,13 @@
 when absent). Every spec is read through its store (diloco/data/prepare.py); the reader's order rule, epochs,
 host counts and resume are tests/test_store.py's."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import sysconfig
+import threading
 import venv
 from pathlib import Path
 
@@ -17,14 +19,9 @@ from diloco.data import snapshot
 from diloco.data import TokenBatches, corpus_info, eval_batches, get_vocabulary, specs, store_for, tasks, validate_data
 from diloco.data.store import Store, read_manifest
 from diloco.errors import ConfigError
+from conftest import SHARED
 
-
-def shared_dir() -> Path:
-    """../shared next to the repository root (also right for a fresh clone with a sibling shared/)."""
-    return Path(__file__).resolve().parents[1].parent / "shared"
-
-
-DATA = shared_dir() / "data"
+DATA = SHARED / "data"
 TFDS = DATA / "tfds"
 C4_JSONL = DATA / "text" / "c4" / "c4_sample.jsonl"
 DOLMA = DATA / "text" / "dolma" / "*.jsonl"
@@ -35,13 +32,9 @@ needs_shared = pytest.mark.skipif(not DATA.is_dir(), reason=f"sample data folder
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_cache(tmp_path_factory):
     """Every test module run starts from an empty token cache (exercises tokenization, keeps ~/.cache clean)."""
-    old = os.environ.get("DILOCO_CACHE")
-    os.environ["DILOCO_CACHE"] = str(tmp_path_factory.mktemp("diloco_cache"))
-    yield
-    if old is None:
-        del os.environ["DILOCO_CACHE"]
-    else:
-        os.environ["DILOCO_CACHE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DILOCO_CACHE", str(tmp_path_factory.mktemp("diloco_cache")))
+        yield
 
 
 def decode(vocab: str, row: np.ndarray) -> str:
@@ -242,9 +235,6 @@ def test_prefetch_changes_nothing_but_timing():
 
 
 def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
-    import gc
-    import threading
-
     def alive():
         return [t for t in threading.enumerate() if t.name.startswith("store-batches")]
 
@@ -264,12 +254,10 @@ def test_prefetch_thread_ends_on_close_and_on_garbage_collection():
 
 
 def test_prefetch_surfaces_errors_in_the_callers_thread(monkeypatch):
-    from diloco.data import store
-
     def broken(self, ids, seq_len):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(store.Store, "rows", broken)
+    monkeypatch.setattr(Store, "rows", broken)
     it = TokenBatches("stdlib", "byte", 32, 2, prefetch=2)
     with pytest.raises(OSError, match="disk on fire"):
         next(it)
@@ -287,16 +275,13 @@ def test_bad_prefetch_and_batch_size_name_their_field():
 def test_several_prepared_c4_copies_are_refused_naming_them(tmp_path):
     """data=c4 with a data_dir holding c4/en/3.0.1 beside c4/realnewslike/3.0.1 (a mirror of the public bucket):
     one line naming both and the way out (data=c4:<dir>), never the alphabetically last one silently."""
-    from diloco.data.specs import parse_data
-    from diloco.errors import ConfigError
-
     for d in ("c4/en/3.0.1", "c4/realnewslike/3.0.1"):
         (tmp_path / d).mkdir(parents=True)
         (tmp_path / d / "dataset_info.json").write_text("{}")
     with pytest.raises(ConfigError) as e:
-        parse_data("c4", data_dir=str(tmp_path))
+        specs.parse_data("c4", data_dir=str(tmp_path))
     msg = str(e.value)
     assert e.value.field == "data" and "c4/en/3.0.1" in msg and "c4/realnewslike/3.0.1" in msg and "data=c4:" in msg
     assert "\n" not in msg
     (tmp_path / "c4/realnewslike/3.0.1/dataset_info.json").unlink()
-    assert parse_data("c4", data_dir=str(tmp_path)).root.endswith("c4/en/3.0.1")
+    assert specs.parse_data("c4", data_dir=str(tmp_path)).root.endswith("c4/en/3.0.1")

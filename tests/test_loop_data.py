@@ -4,9 +4,13 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from conftest import tiny_config
+from diloco.checkpoint import Checkpointer
+from diloco.data import reader, store
 from diloco.data.reader import StoreBatches
+from diloco.errors import ConfigError
 from diloco.train import train
 from diloco.eval.runs import load_run
 from diloco.trainer import Trainer
@@ -85,11 +89,6 @@ def test_a_run_on_a_token_store_logs_its_batch_hashes_and_refuses_another_store_
     """train() on tokens:gs://… (the storage emulator): replicas get disjoint rows, every metrics row's data_hash
     is the reader's pure function of the step; resumed after another corpus was tokenized to the same path, it
     stops with one ConfigError naming both fingerprints, before the model state is read."""
-    import pytest
-
-    from diloco.checkpoint import Checkpointer
-    from diloco.data import reader, store
-    from diloco.errors import ConfigError
     from test_store import make_text_corpus
 
     a = gcs.url("stores", "run")
@@ -117,10 +116,6 @@ def test_a_checkpoint_of_the_per_host_reader_is_refused_in_one_line_before_the_m
     shard reader's {epoch, shard, pos, batches}): resuming stops with one ConfigError on `data` saying the order
     changed and what to do, before the model state is restored; its config.json is left as it was. diloco sweep
     counts such a finished point as finished (not stale: data_readers is a key the spec no longer has)."""
-    import pytest
-
-    from diloco.checkpoint import Checkpointer
-    from diloco.errors import ConfigError
     from diloco.sweep import stale_fields
 
     old_state = {"version": 1, "data": "stdlib", "vocab": "byte", "split": "train", "seed": 0, "pack": True,

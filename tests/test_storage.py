@@ -4,10 +4,16 @@ The non-local one is `gs://` served offline: fsspec's in-memory filesystem regis
 gs protocol, and epath told to use fsspec instead of TensorFlow (EPATH_USE_TF=false)."""
 import json
 import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
 
 import pytest
 
 from diloco import rundir
+from diloco.data import specs
 from diloco.errors import ConfigError
 
 
@@ -41,8 +47,6 @@ def root(request, tmp_path):
 
 def tb_events(folder) -> list:
     """The Event records of a TensorBoard folder's event files (TFRecord framing: length, crc, data, crc)."""
-    import struct
-
     from tensorboardX.proto import event_pb2
 
     out = []
@@ -123,8 +127,6 @@ def test_gs_without_filesystem_support_names_the_field(monkeypatch):
     assert "gcsfs" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="unsupported filesystem"):
         rundir.require("ftp://b/x", "workdir")
-    from diloco.data import specs
-
     with pytest.raises(ConfigError, match="gcsfs") as e:
         specs.parse_vocab("sentencepiece:gs://b/vocab.model")
     assert e.value.field == "vocab"
@@ -148,11 +150,6 @@ def test_train_cli_gs_workdir_without_support_is_one_line(monkeypatch, capsys, t
 def test_a_busy_run_folder_is_refused_in_one_line_and_a_killed_holders_lock_is_free(tmp_path):
     """A real second `diloco train` on a folder another process holds exits 2 naming the holder; after a
     SIGKILL of the holder (no clean-up ran) the folder is free again: the kernel dropped the flock."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-
     wd, repo = tmp_path / "run", rundir.path(__file__).parent.parent
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from diloco.rundir import RunDir; "
                                "RunDir(sys.argv[1]).make(); print('held', flush=True); time.sleep(600)", wd],
