@@ -366,9 +366,7 @@ def to_item(name: str, doc: dict, index: int) -> Item:
 
 
 def load_items(name: str, data_dir: str | os.PathLike | None, limit: int | None = None) -> list[Item]:
-    docs = load_docs(name, data_dir)
-    docs = docs[:limit] if limit is not None else docs
-    return [to_item(name, doc, i) for i, (_, doc) in enumerate(docs)]
+    return [to_item(name, doc, i) for i, (_, doc) in enumerate(load_docs(name, data_dir)[:limit])]
 
 
 def fewshot_contexts(name: str, items: list[Item], data_dir: str | os.PathLike | None,
