@@ -37,20 +37,11 @@ class Spec:
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-def _hash_per_mille(s: str) -> int:
-    return int(hashlib.md5(s.encode()).hexdigest()[:8], 16) % 1000
-
-
 def file_split(spec: Spec, split: str) -> list[str]:
     """stdlib/text: files of one split; ~2% validation chosen by a hash of the path relative to the root."""
     root = spec.root or os.path.commonpath([os.path.dirname(f) for f in spec.files])
-    out = []
-    for f in spec.files:
-        rel = os.path.relpath(f, root)
-        is_val = _hash_per_mille(rel) < VAL_PER_MILLE
-        if is_val == (split == "validation"):
-            out.append(f)
-    return out
+    per_mille = (int(hashlib.md5(os.path.relpath(f, root).encode()).hexdigest()[:8], 16) % 1000 for f in spec.files)
+    return [f for f, m in zip(spec.files, per_mille) if (m < VAL_PER_MILLE) == (split == "validation")]
 
 
 def num_shards(spec: Spec, split: str) -> int:

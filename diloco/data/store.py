@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 
 import numpy as np
 
@@ -413,16 +413,11 @@ class Store:
     def rows(self, ids, seq_len: int) -> np.ndarray:
         ids = [int(i) for i in np.asarray(ids).reshape(-1)]
         out = np.empty((len(ids), seq_len), np.int32)
-        if self.remote and len(ids) > 1:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="store-read")
-            for k, v in enumerate(self._pool.map(lambda r: self.row(r, seq_len), ids)):
-                out[k] = v
-        else:
-            for k, r in enumerate(ids):
-                out[k] = self.row(r, seq_len)
+        parallel = self.remote and len(ids) > 1
+        if parallel and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="store-read")
+        for k, row in enumerate((self._pool.map if parallel else map)(lambda r: self.row(r, seq_len), ids)):
+            out[k] = row
         return out
 
     def close(self) -> None:

@@ -92,29 +92,25 @@ def task_name(spec: specs.Spec, vocab: str) -> str:
 
 def get_task(spec: specs.Spec, vocab: str):
     """Register (once per process) and return the seqio Task for (data spec, vocab)."""
-    _tf()
+    tf = _tf()
     import seqio
 
     name = task_name(spec, vocab)
     with _REGISTRY_LOCK:
         if name in seqio.TaskRegistry.names():
             return seqio.TaskRegistry.get(name)
-        return _add_task(spec, vocab, name)
-
-
-def _add_task(spec: specs.Spec, vocab: str, name: str):
-    tf = _tf()
-    import seqio
-
-    if spec.kind == "tfds":
-        source = seqio.TfdsDataSource(tfds_data_dir=spec.root, read_only=True)  # prepared dirs only: never downloads
-    elif spec.kind == "jsonl":
-        source = _hash_split_source(list(spec.files))
-    else:  # stdlib / text: one document per file
-        source = seqio.FileDataSource(_read_whole_file, {s: specs.file_split(spec, s) for s in specs.SPLITS}, cycle_length=1)
-    features = {"targets": seqio.Feature(get_vocabulary(vocab), add_eos=True, dtype=tf.int32)}
-    prep = [functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}), seqio.preprocessors.tokenize, seqio.preprocessors.append_eos]
-    return seqio.TaskRegistry.add(name, source=source, output_features=features, preprocessors=prep, shuffle_buffer_size=None)
+        if spec.kind == "tfds":  # prepared dirs only: never downloads
+            source = seqio.TfdsDataSource(tfds_data_dir=spec.root, read_only=True)
+        elif spec.kind == "jsonl":
+            source = _hash_split_source(list(spec.files))
+        else:  # stdlib / text: one document per file
+            source = seqio.FileDataSource(_read_whole_file, {s: specs.file_split(spec, s) for s in specs.SPLITS},
+                                          cycle_length=1)
+        features = {"targets": seqio.Feature(get_vocabulary(vocab), add_eos=True, dtype=tf.int32)}
+        prep = [functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
+                seqio.preprocessors.tokenize, seqio.preprocessors.append_eos]
+        return seqio.TaskRegistry.add(name, source=source, output_features=features, preprocessors=prep,
+                                      shuffle_buffer_size=None)
 
 
 _NO_ENDS = np.zeros(0, np.int64)

@@ -25,6 +25,7 @@ from diloco.errors import ConfigError
 
 ATTENTION = ("xla", "dot_product", "cudnn", "splash")  # concrete only: `auto` is diloco/resolve.py's
 REMAT_POLICIES = ("none", "full", "save_dots")
+_constrain = nn.with_logical_constraint  # (x, logical names): a no-op until rules are in context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +70,6 @@ class ModelConfig:
                   mlp_dim=s.mlp_dim, max_seq_len=s.max_seq_len)
         kw.update(overrides)
         return cls(**kw)
-
-
-def _constrain(x, names: tuple[str, ...]):
-    return nn.with_logical_constraint(x, names)
 
 
 class RMSNorm(nn.Module):
