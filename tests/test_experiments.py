@@ -5,7 +5,11 @@ import pytest
 
 from diloco.config import load_config, validate
 from diloco.errors import ConfigError
+from diloco.model.scales import BYTE_VOCAB, SCALES, padded_vocab
+from diloco.model.sizes import param_count
+from diloco.outer.fragments import block_fragment
 from diloco.sweep import load_sweep
+from experiments import claims
 
 PAPER = ["35M", "100M", "200M", "300M", "500M", "1B", "4B"]
 SPECS = {  # spec → arguments at paper scale and at toy scale
@@ -101,10 +105,6 @@ def test_every_sweep_point_validates(name):
 def test_claims_budget_is_the_papers_shape():
     """≈20 tokens per parameter, ≥30 outer rounds per fragment at H=30 and H=100 (toy H 10, 33), warm-up
     short against the rounds, the tuned lrs from their sweeps."""
-    from diloco.model.scales import BYTE_VOCAB, padded_vocab
-    from diloco.model.sizes import param_count
-    from experiments import claims
-
     for m in ("streaming_ovl_fp4_h30", "streaming_ovl_fp4_h100", "diloco_h30"):
         c = _get("claims", f"tiny,{m}")
         tokens = c.steps * c.batch_size * c.seq_len
@@ -133,9 +133,6 @@ def test_claims_sweeps_differ_in_one_factor():
     p = load_sweep("sweeps/claims.py:pattern,toy")
     pc = [load_config(q["spec"], q["overrides"]) for q in p["points"] if q["seed"] == 0]
     assert [c.pattern for c in pc] == ["strided", "sequential"]
-    from diloco.model.scales import SCALES
-    from diloco.outer.fragments import block_fragment
-
     layers = SCALES[pc[0].scale].layers
     P = layers // pc[0].layers_per_fragment
     assert P >= 2 and pc[0].layers_per_fragment >= 2  # ≥ 2 blocks per fragment and P ≥ 2 …

@@ -3,11 +3,20 @@ import itertools
 import json
 import os
 import math
+import re
+import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from diloco import report, sweep as sw
+from diloco import report, reproduce_results as reproduce, sweep as sw
+from diloco.config import load_config
+from diloco.report.claims import (BY_CLAIM, CLAIMS, FAMILIES, HEADLINE, KINDS, PaperNumbers, claims_table,
+                                  write_claims)
+from diloco.report.judge import judge, mark_changes, planned_seeds
+from diloco.report.plots import ablation_axes, point_labels
+from diloco.report.records import collapse, paired_gap_pct, paired_stats, seeds_needed, t_quantile
 
 FAST = {"steps": 6, "H": 3, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 3, "eval_batches": 2,
         "checkpoint_every": 3, "optimizer.warmup_steps": 1}
@@ -78,8 +87,6 @@ def test_ablation_tables_and_plots(runs, tmp_path):
 
 
 def test_failed_and_unfinished_runs_are_listed(runs, tmp_path):
-    import shutil
-
     root = tmp_path / "root"
     shutil.copytree(runs, root)
     bad = root / "c4_scaling_tiny" / "tiny+dp"
@@ -108,8 +115,6 @@ def test_markdown_table_cells_are_formatted_once():
 # -- seeds, merging, claims: from hand-written run records (no training) --------------------------------
 def _record(root, sweep, point, spec, loss, seed=0, finished=None, sweep_file="sweeps/c4_scaling.py", arg="tiny",
             **cfg_over):
-    from diloco.config import load_config
-
     cfg = load_config(spec, [f"--config.{k}={v}" for k, v in cfg_over.items()]).to_dict()
     cfg["seed"] = seed
     name = point if seed == 0 else f"{point},seed={seed}"
@@ -169,8 +174,6 @@ def test_any_sweep_gets_its_table_and_plot_beside_its_runs(tmp_path, capsys):
 
 def test_regenerating_from_fewer_records_drops_no_table_or_row(tmp_path):
     """A fresh clone's reproduce: the root holds only some of the runs behind the committed tables."""
-    from diloco import reproduce_results as reproduce
-
     full, part, out = tmp_path / "full", tmp_path / "part", tmp_path / "out"
     for scale in ("tiny", "toy"):
         _record(full, "c4_scaling_tiny+toy", f"{scale}+dp", f"experiments/c4_scaling.py:{scale},dp", 2.5)
@@ -302,9 +305,6 @@ def test_t_interval_calls_inconclusive_what_two_se_called_agrees():
     """By hand: per-seed gaps 2 % and 3 % (n = 2): mean 2.5, sd 0.70711, SE 0.5. ±2·SE = [1.5, 3.5] lies in
     the band [0, 5] (agrees); the 95 % t-interval, t(1) = 12.7062 (tables), is ±6.3531 = [−3.85, 8.85]
     (inconclusive). With 8 seeds of sd 0.70711 (SE 0.25, t(7) = 2.3646: ±0.5912) the t-interval agrees."""
-    from diloco.report.judge import judge
-    from diloco.report.records import paired_gap_pct, paired_stats, t_quantile
-
     assert math.isclose(t_quantile(1), 12.7062, rel_tol=1e-5) and math.isclose(t_quantile(2), 4.3027, rel_tol=1e-4)
     assert math.isclose(t_quantile(7), 2.3646, rel_tol=1e-4) and math.isclose(t_quantile(1e6), 1.95996, rel_tol=1e-5)
     a, b = {0: 1.02, 1: 1.03}, {0: 1.0, 1: 1.0}  # gaps of a over b: +2 %, +3 %
@@ -380,8 +380,6 @@ def test_seeds_needed_is_the_textbook_power_calculation():
     """80 % power, two-sided 95 %, one-sample t (Cohen 1988; G*Power): effect size d = 0.5 → 34 seeds,
     d = 1 → 10, d = 0.8 → 15 (≈ ((1.960 + 0.842)/d)² + 1.960²/2 = 33.3, 9.8, 14.2, rounded up). d is the
     distance from the mean to the band edge the interval must clear, over the per-seed sd."""
-    from diloco.report.records import seeds_needed
-
     inf = float("inf")
     assert seeds_needed(0.0, 1.0, -inf, 0.5) == 34  # inside (−∞, 0.5]: agrees once the interval clears 0.5
     assert seeds_needed(0.0, 2.0, -inf, 2.0) == 10 and seeds_needed(0.2, 1.0, -inf, 1.0) == 15
@@ -418,8 +416,6 @@ def test_committed_rows_are_judged_again_without_their_runs(tmp_path):
     α at toy: sd = 1.73245·√2/2 = 1.22502, SE 0.86623, ± 12.7062·SE = 11.0064 → [−13.75, 8.27]:
     agrees → inconclusive. Trend: tiny mean 3, sd 2.0·√4/2 = 2, n 4; toy mean 1, sd 1.41421·√2/2 = 1, n 2:
     3 − 1 = 2, SE² = 4/4 + 1/2 = 1.5, Welch df = 1.5² / (1²/3 + 0.5²/1) = 27/7."""
-    from diloco.report.records import t_quantile
-
     root, out = tmp_path / "runs", tmp_path / "out"
     out.mkdir()
     (out / "claims.csv").write_text("\n".join(_LEGACY) + "\n")
@@ -451,8 +447,6 @@ def test_committed_rows_are_judged_again_without_their_runs(tmp_path):
 
 
 def test_changed_from_marks_a_verdict_that_moved_and_only_that():
-    from diloco.report.judge import mark_changes
-
     old = pd.DataFrame({"claim": list("abcde"), "ours": ["1", "2", "3", "4", "5"],
                         "verdict": ["agrees", "agrees", "inconclusive", "disagrees", "agrees"],
                         "changed_from": [None, "disagrees → agrees", None, "agrees → disagrees", None]})
@@ -494,8 +488,6 @@ def test_claims_md_ends_with_the_claims_by_verdict_and_no_readme_is_touched(tmp_
 
 
 def _claims_rows_by_scale(scale: str):
-    from diloco.report.judge import planned_seeds
-
     c = _read_claims(report.PAPER_DIR.parent / "claims.csv")
     c = c[c.ours_gap_pct.notna()]  # rows with an interval (not the counted bytes)
     rows = [(r.claim, int(r.n), planned_seeds(r.runs), r.ours) for r in c.itertuples()
@@ -522,8 +514,6 @@ def test_committed_claims_have_the_planned_seeds(scale):
     runs = pd.read_csv(report.PAPER_DIR.parent / "runs.csv")
     runs = runs[runs.sweep.str.startswith(("claims_headline_", "claims_tau_alpha_")) & (runs.status == "done")
                 & runs.sweep.str.endswith(f"_{scale}")]
-    from diloco.report.judge import planned_seeds
-
     seeds = runs.groupby(["sweep", "base_point"]).seed.nunique()
     assert len(seeds) and all(k >= planned_seeds(sw) for (sw, _), k in seeds.items()), seeds.to_dict()
 
@@ -544,12 +534,6 @@ GOLDEN_SWEEPS = {"all": None, "committed": ("claims_headline_tiny", "claims_tau_
 
 
 def _golden_build(build: str, tmp_path) -> dict[str, str]:
-    import shutil
-    from pathlib import Path
-
-    from diloco.report.claims import claims_table, write_claims
-    from diloco.report.records import collapse
-
     df = pd.read_csv(GOLDEN / "runs.csv")
     out = tmp_path / build
     out.mkdir()
@@ -590,10 +574,6 @@ def test_readme_result_quotes_the_committed_claims():
     """The README's three-line result is written by hand (no table rebuild rewrites the README): every
     gap ± interval it quotes is a row of results/claims.csv at tiny, with the verdict it states for the
     headline row."""
-    import re
-
-    from diloco.report.claims import HEADLINE
-
     readme = (report.PAPER_DIR.parents[1] / "README.md").read_text()
     result = readme[readme.index("**Result**"):readme.index("(results/claims.md)")]
     quoted = [(float(m.replace("−", "-")), float(u)) for m, u in re.findall(r"([+−-]\d+\.\d\d) ± (\d+\.\d\d) %", result)]
@@ -611,8 +591,6 @@ def test_readme_result_quotes_the_committed_claims():
 def test_every_claim_definition_is_well_formed():
     """CLAIMS, the claims as data: unique claim texts, a known kind and sweep family, rows compared in the
     kind's shape, a band lo < hi, and a paper number each (texts made from the paper's CSVs resolve)."""
-    from diloco.report.claims import BY_CLAIM, CLAIMS, FAMILIES, KINDS, PaperNumbers
-
     assert len(BY_CLAIM) == len(CLAIMS) >= 17
     p = PaperNumbers()
     for d in CLAIMS:
@@ -628,8 +606,6 @@ def test_every_claim_definition_is_well_formed():
 def test_ablation_plot_labels_keep_the_swept_fragments_and_print_ints_as_ints():
     """A sweep over fragments (the axis and the result column are one column) keeps it in its labels; a
     swept int read back as a float prints as an int."""
-    from diloco.report.plots import ablation_axes, point_labels
-
     t = pd.DataFrame({"scale": ["tiny"] * 2, "method": ["streaming"] * 2, "tau": [1.0, 1.0], "status": ["done"] * 2,
                       "eval_loss": [2.0, 2.1], "fragments": [1, 2], "bytes_total": [10, 10]})
     axes = ablation_axes(t)

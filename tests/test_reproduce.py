@@ -1,11 +1,16 @@
 """diloco reproduce: the up-front estimate (from the root's own finished runs), the plan of --full, the
 headline's merge, and the whole job at a micro budget into a copy of results/ (slow)."""
 import json
+import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from diloco import reproduce, reproduce_results, sweep as sw
+from diloco.config import load_config
+from diloco.report.tables import ABLATION_RESULT_COLS
+from diloco.report.write import KEYS
 
 
 def test_estimate_uses_the_roots_measured_seconds_per_step(tmp_path):
@@ -57,8 +62,6 @@ def test_estimate_uses_the_committed_records_of_a_sweep_the_root_lacks(tmp_path)
 
 
 def test_full_plan_is_the_claims_budget():
-    from diloco.config import load_config
-
     names = [n for n, _ in reproduce.FULL_PLAN]
     assert names[:2] == ["tune_inner_lr", "tune_outer_lr"]  # tuning first, then the claims sweeps
     for _, spec in reproduce.FULL_PLAN:
@@ -76,8 +79,6 @@ def test_the_committed_readme_is_what_the_generator_writes_from_the_committed_re
     headline.json and files (no run records, no new steps) gives the committed text, so a hand-written
     section (e.g. #33's provenance) would fail here; it belongs in a step group's description or a
     step's --note (steps.json)."""
-    import shutil
-
     repo = Path(reproduce.__file__).resolve().parents[1]
     shutil.copytree(repo / "results", tmp_path / "results")
     monkeypatch.chdir(tmp_path)  # the README names --out as given: results
@@ -113,8 +114,6 @@ def test_headline_merges_with_the_committed_one():
 def _csv_keys(path, key) -> set[tuple]:
     """The key of every row of a CSV; numbers as floats (a column read as int in one file and float in
     the other, because of a blank cell, still matches)."""
-    import pandas as pd
-
     def norm(v):
         try:
             return repr(float(v))
@@ -130,11 +129,6 @@ def test_reproduce_end_to_end_at_a_micro_budget_loses_nothing(tmp_path):
     """`diloco reproduce` itself (training, bytes, simulator, tables, headline, README) at 4 steps a run,
     into a copy of the committed results/: every committed file is still there; a file that changed is a
     merged table whose committed rows (by its key) are all still in it, or a plot, or the README."""
-    import shutil
-
-    from diloco.report.tables import ABLATION_RESULT_COLS
-    from diloco.report.write import KEYS
-
     repo = Path(reproduce.__file__).resolve().parents[1]
     out = tmp_path / "results"
     shutil.copytree(repo / "results", out)
@@ -150,8 +144,6 @@ def test_reproduce_end_to_end_at_a_micro_budget_loses_nothing(tmp_path):
         old.parent.mkdir(parents=True, exist_ok=True)
         old.write_bytes(before[p])
         if p.suffix == ".csv":
-            import pandas as pd
-
             cols = list(pd.read_csv(old).columns)
             key = KEYS.get(p.stem) or tuple(c for c in cols if c not in ABLATION_RESULT_COLS)
             assert key and _csv_keys(old, key) <= _csv_keys(new, key), p

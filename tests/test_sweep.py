@@ -11,6 +11,7 @@ import pytest
 
 from diloco import sweep as sw
 from diloco.errors import ConfigError
+from diloco.rundir import append_jsonl, atomic_write_json
 
 FAST = [f"--config.{k}={v}" for k, v in {"steps": 4, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 2,
                                          "eval_batches": 1, "checkpoint_every": 2, "optimizer.warmup_steps": 1}.items()]
@@ -192,9 +193,6 @@ def test_status_table_reads_every_point_state_and_runs_nothing(tmp_path, capsys)
     """A sweep root written by the real writers: done (100 s), running (step 4 of 10 in 40 s, its lock held by
     this process: ETA 40/4·6 = 60 s), failed, stopped (a dead process's lock left), pending. The sweep's ETA:
     the running point's 60 s + 3 points left × the mean 100 s of the one done = 6 min."""
-    from diloco.pointlock import acquire_lock, release_lock
-    from diloco.rundir import append_jsonl, atomic_write_json
-
     f = _write_sweep(tmp_path, "product(tau=[0, 1, 2, 3, 4])")
     root = tmp_path / "root"
     wd = {t: root / "t" / f"tau={t}" for t in range(5)}
@@ -207,13 +205,13 @@ def test_status_table_reads_every_point_state_and_runs_nothing(tmp_path, capsys)
     atomic_write_json(wd[2] / "failed.json", {"returncode": 1, "error_tail": "boom"})
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (wd[3] / ".lock").write_text(f"{socket.gethostname()}:{dead.stdout.strip()}")
-    assert acquire_lock(wd[1])
+    assert sw.acquire_lock(wd[1])
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     try:
         assert sw.main([str(f), "--root", str(root), "--status"]) == 0
         after = sorted(p.relative_to(root) for p in root.rglob("*"))
     finally:
-        release_lock(wd[1])
+        sw.release_lock(wd[1])
     lines = capsys.readouterr().out.splitlines()
     assert [l.split() for l in lines[2:7]] == [
         ["done", "10/10", "3.5000", "3.2500", "—", "tau=0"],
