@@ -1,15 +1,18 @@
 """The decoder: causality, parameter counts per scale, loss masking and z-loss, scan/remat layouts."""
+import hashlib
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, tiny_config
 from diloco import resolve
 from diloco.errors import ConfigError
-from diloco.model import SCALES, ModelConfig, Transformer, formula_params, loss_fn, param_count
+from diloco.model import (SCALES, ModelConfig, Transformer, formula_params, loss_fn, param_count,
+                          param_logical_axes)
 from diloco.model.scales import Scale, label_params
 from diloco.model.transformer import splash_attention
 
@@ -93,7 +96,7 @@ def test_sizes_counts_each_scale_as_a_run_builds_it(capsys):
 # Golden values from the model as of commit d1afa2a (before RoPE tables/mask were hoisted, fused
 # attention and logical partitioning), produced by:
 #   git show d1afa2a:diloco/model/transformer.py > /tmp/base_transformer.py
-#   python -c "import sys; sys.path.insert(0, '/tmp'); import base_transformer as T, ..."  (see _golden below)
+#   python -c "import sys; sys.path.insert(0, '/tmp'); import base_transformer as T, ..."
 # with T.ModelConfig(vocab_size=384, **kw), params = init(PRNGKey(0), x[:1, :8]), x = _tokens().
 GOLDEN = {  # name: (config overrides, sha256[:16] of params, loss, ce)
     "tiny": (dict(layers=3, d_model=32, heads=2, mlp_dim=128), "cf88c9572a9b7672", 6.43834924697876, 6.434195041656494),
@@ -108,8 +111,6 @@ def _tokens():
 
 
 def _params_hash(p) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for path, x in jax.tree_util.tree_leaves_with_path(p):
         h.update(jax.tree_util.keystr(path).encode())
@@ -151,10 +152,7 @@ def test_gradients_agree_across_attention_and_remat():
 
 
 def test_matches_the_plain_jax_reference_decoder():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import ref_decoder
 
     cfg = ModelConfig(vocab_size=384, **GOLDEN["toy"][0])
@@ -182,8 +180,6 @@ def test_bad_model_options_name_their_field(field, kw):
 # --- logical axis names for sharding ----------------------------------------------------------------
 @pytest.mark.parametrize("scan", [False, True])
 def test_every_parameter_has_one_logical_name_per_dimension(scan):
-    from diloco.model import param_logical_axes
-
     cfg = small(scan=scan)
     names = param_logical_axes(cfg)
     shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
