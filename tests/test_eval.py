@@ -197,7 +197,6 @@ def test_absent_data_says_where_and_how(tmp_path, monkeypatch):
 
 def test_tfds_layout_is_read(tmp_path):
     tfds = pytest.importorskip("tensorflow_datasets")
-    from tensorflow_datasets.core import dataset_builder  # noqa: F401
 
     class Piqa(tfds.core.GeneratorBasedBuilder):  # the TFDS `piqa` features, built locally
         VERSION = tfds.core.Version("1.0.0")

@@ -41,9 +41,8 @@ def test_fetch_copies_the_records_only_and_a_rerun_copies_only_what_changed(wher
         root = os.fspath(tmp_path / "runs")
 
         def put(rel, text):
-            os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-            with open(os.path.join(root, rel), "w") as f:
-                f.write(text)
+            (tmp_path / "runs" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "runs" / rel).write_text(text)
     for rel, text in TREE.items():
         put(rel, text)
     out = tmp_path / "here"
@@ -67,7 +66,7 @@ def test_fetch_then_tables_and_bad_roots_are_one_line(tmp_path, capsys):
         (root / rel).write_text(TREE[rel])
     assert fetch.main([os.fspath(root), os.fspath(out)]) == 0
     said = capsys.readouterr().out
-    assert said.startswith(f"diloco fetch: 6 file(s) copied (") and "0 unchanged" in said
+    assert said.startswith("diloco fetch: 6 file(s) copied (") and "0 unchanged" in said
     assert "diloco tables: 2 run(s)" in said and (out / "runs.csv").exists()  # the tables ran on the copy
     (tmp_path / "empty").mkdir()
     for bad, says in [(tmp_path / "nothing", f"{tmp_path / 'nothing'} is not a folder (or not readable)"),
