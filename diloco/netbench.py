@@ -33,42 +33,21 @@ from diloco.outer import methods
 
 REPO = Path(__file__).resolve().parents[1]
 
-# -- meshes and global arrays over the processes -------------------------------------------------
-def exchange_devices() -> list:
-    """One device per process: the comm device when reserved, else each process's only device."""
-    import jax
-
-    return dist.comm_devices() or [min((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
-                                   for i in range(jax.process_count())]
-
-
-def replica_mesh(devices: list):
-    import jax
-
-    return jax.sharding.Mesh(np.array(devices), ("replica",))
-
-
-def stack_local(x_local, mesh):
-    """(1, …) on this process's mesh device → global (M, …) sharded on `replica`."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    dev = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    x = jax.device_put(x_local, dev)
-    shape = (mesh.devices.size,) + tuple(x.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("replica")), [x])
-
-
 # -- throughput --------------------------------------------------------------------------------------
 def throughput(mb: float, repeats: int = 5) -> dict:
-    """Median time of an all-gather of `mb` MB per process over the replica axis."""
+    """Median time of an all-gather of `mb` MB per process over the replica axis: one device per process,
+    the comm device when reserved, else each process's only device."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = replica_mesh(exchange_devices())
+    devices = dist.comm_devices() or [min((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+                                      for i in range(jax.process_count())]
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
     n = int(mb * 2**20)
-    x = stack_local(jnp.ones((1, n), jnp.uint8), mesh)
+    mine = next(d for d in devices if d.process_index == jax.process_index())
+    local = jax.device_put(jnp.ones((1, n), jnp.uint8), mine)
+    x = jax.make_array_from_single_device_arrays((len(devices), n), NamedSharding(mesh, P("replica")), [local])
     gather = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "replica", tiled=True)[:, :1], mesh=mesh,
                                    in_specs=P("replica"), out_specs=P(), check_vma=False))
     gather(x).block_until_ready()
@@ -94,9 +73,9 @@ def rate_mbit(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use tc units like 500kbit, 10mbit, 1gbit")
 
 
-def _launch(argv: list[str], out: Path) -> int:
-    cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "2", "--netns", "--comm_device",
-           "--logdir", str(out / "runs" / "logs"), "--", *argv]
+def _launch(argv: list[str], out: Path, comm: bool = True) -> int:
+    cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "2", "--netns",
+           *(["--comm_device"] if comm else []), "--logdir", str(out / "runs" / "logs"), "--", *argv]
     return subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           timeout=1800).returncode
 
@@ -220,11 +199,7 @@ def train_sweep(rates: list[str], variants: list[str], out: Path, steps: int = 1
                     shape_links(2, rate)
                     shaped = True
                 shutil.rmtree(wd, ignore_errors=True)  # a half-finished run: its timeline would be mixed
-                argv, comm = train_args(v, dp_steps if v == "dp" else steps, H, wd)
-                cmd = [sys.executable, "-m", "diloco.cli", "launch", "--processes", "2", "--netns",
-                       *(["--comm_device"] if comm else []), "--logdir", str(out / "runs" / "logs"), "--", *argv]
-                rc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    timeout=1800).returncode
+                rc = _launch(*train_args(v, dp_steps if v == "dp" else steps, H, wd), out)
                 if rc:
                     print(f"{rate} {v}: failed (rc={rc}); logs in {out / 'runs' / 'logs'}", file=sys.stderr)
                     continue
@@ -274,9 +249,7 @@ def train_report(out: Path):
         md.append(f"| {r.variant} | {f(r.measured_mbit_for_90pct)} | {f(r.simulated_mbit_for_90pct)} "
                   f"| {f(r.simulated_at_achieved_mbit_for_90pct)} | {r.distinct_final_params} |")
     atomic_write_text(out / "train_cu.md", "\n".join(md) + "\n")
-    _plot_cu(df, "variant", "measured, diloco train", "sim_cu_at_measured_throughput", "simulator at achieved rate",
-             "diloco train, 2 replica processes over throttled veth links (toy scale, 2 shared CPU cores)",
-             out / "train_cu.png")
+    _plot_cu(df, out / "train_cu.png")
     print(df[cols].to_string(index=False))
     print(cross.to_string(index=False))
     return df, cross
@@ -316,11 +289,11 @@ def main(argv: list[str]) -> int:
     if args.cmd == "hlo":
         print(json.dumps(combined_step_collectives(Path(args.out) if args.out else None)))
         return 0
-    if args.cmd == "sweep" and os.geteuid() != 0:
-        print(f"diloco netbench {args.cmd}: needs root to shape links (scripts/netns.sh: ip netns, tc); "
-              "run it with sudo", file=sys.stderr)
-        return 2
     if args.cmd == "sweep":
+        if os.geteuid() != 0:
+            print("diloco netbench sweep: needs root to shape links (scripts/netns.sh: ip netns, tc); "
+                  "run it with sudo", file=sys.stderr)
+            return 2
         bad = [v for v in args.variants.split(",") if v not in TRAIN_VARIANTS]
         if bad:
             print(f"diloco netbench: unknown variant(s) {bad}; valid: {', '.join(TRAIN_VARIANTS)}", file=sys.stderr)
@@ -353,20 +326,15 @@ def main(argv: list[str]) -> int:
 
 
 # -- report: measured CU beside the simulator's prediction -------------------------------------------
-def simulated_cu(row: dict, gbit_per_s: float, overhead_s: float = 0.0) -> float:
-    """The simulator for the same model (layers, params), measured step time, bytes and τ;
-    `overhead_s` per exchange is spread over its layers as the simulator's per-node latency."""
-    import dataclasses
-
+def simulated_cu(row: dict, gbit_per_s: float) -> float:
+    """The simulator (physical calibration) for the same model (layers, params), measured step time, bytes and τ."""
     from diloco.simulate import PHYSICAL, Model, compute_utilisation, make_method
 
     model = Model("toy", layers=row["layers"], params=float(row["params"]), step_time_s=row["step_time_s"])
     bits = 8.0 * sum(row["payload_bytes"]) / row["params"]
     method = make_method(row["method"], row["layers"], h=row["H"] if row["method"] != "dp" else 1,
                          fragments=row["fragments"], tau=row["tau"], bits=bits)
-    layers_per_exchange = max(1, row["layers"] // max(1, row["fragments"]))
-    a = dataclasses.replace(PHYSICAL, latency_s=overhead_s / layers_per_exchange)
-    return compute_utilisation(model, method, gbit_per_s, a)
+    return compute_utilisation(model, method, gbit_per_s, PHYSICAL)
 
 
 def cross90(rates: list[float], cus: list[float], target: float = 0.9) -> float | None:
@@ -381,25 +349,27 @@ def cross90(rates: list[float], cus: list[float], target: float = 0.9) -> float 
     return None
 
 
-def _plot_cu(df, key: str, measured: str, dotted: str, dotted_label: str, title: str, path: Path) -> None:
-    """Measured CU (solid), the simulator at the tc rate (dashed) and a second simulator curve (dotted)."""
+def _plot_cu(df, path: Path) -> None:
+    """Measured CU (solid), the simulator at the tc rate (dashed) and at the achieved rate (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 4.8))
-    for i, (m, sub) in enumerate(df.groupby(key, sort=False)):
+    for i, (m, sub) in enumerate(df.groupby("variant", sort=False)):
         c = f"C{i}"
-        ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} ({measured})")
+        ax.plot(sub.rate_mbit, sub.cu, "o-", color=c, label=f"{m} (measured, diloco train)")
         ax.plot(sub.rate_mbit, sub.sim_cu_at_rate, "--", color=c, alpha=0.7, label=f"{m} (simulator)")
-        ax.plot(sub.rate_mbit, sub[dotted], ":", color=c, alpha=0.7, label=f"{m} ({dotted_label})")
+        ax.plot(sub.rate_mbit, sub.sim_cu_at_measured_throughput, ":", color=c, alpha=0.7,
+                label=f"{m} (simulator at achieved rate)")
     ax.set_xscale("log")
     ax.set_xlabel("link rate per replica (tc tbf), Mbit/s")
     ax.set_ylabel("compute utilisation")
     ax.axhline(0.9, color="grey", lw=0.5)
     ax.set_ylim(0, 1.02)
-    ax.set_title(title, fontsize=9)
+    ax.set_title("diloco train, 2 replica processes over throttled veth links (toy scale, 2 shared CPU cores)",
+                 fontsize=9)
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

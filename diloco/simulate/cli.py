@@ -18,14 +18,13 @@ from pathlib import Path
 
 from diloco.errors import ConfigError
 from diloco.outer import methods
-from diloco.simulate import analytic, paper
-from diloco.simulate.dag import Assumptions, Method, Model, simulate
+from diloco.simulate import paper
+from diloco.simulate.dag import PATTERNS, Assumptions, Method, Model, simulate
 from diloco.simulate.presets import (
     CALIBRATIONS,
     EAGER,
     EAGER_BASE,
     MODELS,
-    PATTERNS,
     allreduce_factor,
     assumptions_for,
     kaplan_step_time,
@@ -116,9 +115,8 @@ def run(args: argparse.Namespace) -> int:
             req = required_bandwidth(model, method, t, a)
             row = {**describe(model, method), "target_cu": t, "gbit_per_s": _num(req.grid_gbit_per_s),
                    "exact_gbit_per_s": _num(req.exact_gbit_per_s)}
-            if method.fragments == 1 and method.tau == 0:
-                bits = a.bits if method.bits is None else method.bits
-                row["analytic_gbit_per_s"] = _num(analytic.required_bandwidth(model, method.h, t, bits * a.allreduce_factor, a.latency_s))
+            if (closed_form := paper.analytic_bandwidth(model, method, t, a)) is not None:
+                row["analytic_gbit_per_s"] = _num(closed_form)
             rows.append(row)
     if args.json:
         print(json.dumps({"assumptions": dataclasses.asdict(a), "params_source": params_source(args), "rows": rows},

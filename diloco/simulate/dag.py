@@ -187,15 +187,10 @@ def simulate(
     warm_steps = max(warmup_periods * method.h, method.tau + 2)
     n_steps = warm_steps + periods * method.h
     need: dict[int, np.ndarray] = {}  # step -> per-layer time fwd(l) must wait for
-    now = link = 0.0
-    t0 = 0.0
+    now = link = t0 = 0.0
     nodes: list[Node] = []
     for s in range(1, n_steps + 1):
-        dep = need.pop(s, None)
-        if dep is None:
-            f_end = now + np.cumsum(fwd_dur)
-        else:
-            f_end = _serial(now, dep, fwd_dur)
+        f_end = _serial(now, need.pop(s, np.full(L, -math.inf)), fwd_dur)
         b0 = f_end[-1]
         now = b0 + bwd_end[-1]
         layers = sched.get(s % method.h)

@@ -99,13 +99,14 @@ def regenerate(
                 exact_gbit_per_s=req.exact_gbit_per_s,
                 paper_gbit_per_s=float(r["gbit_per_s"]),
                 steps_off=steps_off(req.grid_index, r),
-                analytic_gbit_per_s=_analytic(model, method, target, assumptions),
+                analytic_gbit_per_s=analytic_bandwidth(model, method, target, assumptions),
             )
         )
     return cells
 
 
-def _analytic(model: Model, method: Method, target: float, a: Assumptions) -> float | None:
+def analytic_bandwidth(model: Model, method: Method, target: float, a: Assumptions) -> float | None:
+    """[SL] App. A's closed-form Gbit/s for methods it covers (one fragment, no overlap), else None."""
     if method.fragments != 1 or method.tau != 0:
         return None
     bits = a.bits if method.bits is None else method.bits

@@ -6,7 +6,7 @@ import re
 
 from diloco.errors import ConfigError
 from diloco.outer import methods
-from diloco.simulate.dag import PATTERNS, Assumptions, Method, Model
+from diloco.simulate.dag import Assumptions, Method, Model
 
 CALIBRATIONS = ("paper", "physical")
 
@@ -66,8 +66,6 @@ def make_method(
         m = make_method(EAGER_BASE, layers, h, fragments, layers_per_fragment, h if tau is None else tau, bits, pattern)
         return dataclasses.replace(m, name=EAGER)
     v = methods.get(kind)
-    if pattern not in PATTERNS:
-        raise ConfigError("pattern", f"{pattern!r}; valid: {', '.join(PATTERNS)}")
     if v.method == "dp":
         return Method(v.name, h=1, fragments=1, tau=0, bits=bits)
     if v.method == "diloco":
@@ -103,23 +101,16 @@ def kaplan_step_time(params: float, tokens_per_step: float, chips: int, chip_tfl
 
 def scale_model(name: str, step_time_s: float, vocab_size: int = 32000) -> Model:
     """A model from diloco.model.scales (imported lazily): its layers and parameter count."""
-    try:
-        from diloco.model import scales
-    except ImportError as e:  # the scales module is optional for the simulator
-        raise ConfigError("model", f"{name!r} needs diloco.model.scales, which is unavailable ({e})") from e
+    from diloco.model import scales
+
     if name not in scales.SCALES:
-        valid = ", ".join([*MODELS, *scales.SCALES, "custom"])
-        raise ConfigError("model", f"unknown model {name!r}; valid: {valid}")
-    count = getattr(scales, "formula_params", None) or scales.param_count
-    return Model(name, layers=scales.SCALES[name].layers, params=float(count(name, vocab_size)), step_time_s=step_time_s)
+        raise ConfigError("model", f"unknown model {name!r}; valid: {', '.join(known_model_names())}")
+    return Model(name, layers=scales.SCALES[name].layers, params=float(scales.formula_params(name, vocab_size)),
+                 step_time_s=step_time_s)
 
 
 def known_model_names() -> list[str]:
-    """Preset names plus the scales of diloco.model.scales when it is importable."""
-    try:
-        from diloco.model import scales
+    """Preset names plus the scales of diloco.model.scales."""
+    from diloco.model import scales
 
-        extra = [s for s in scales.SCALES if s not in MODELS]
-    except ImportError:
-        extra = []
-    return [*MODELS, *extra, "custom"]
+    return [*MODELS, *(s for s in scales.SCALES if s not in MODELS), "custom"]

@@ -1,6 +1,7 @@
 """Bandwidth needed for a target compute utilisation: exact threshold and the paper's grid value."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -43,18 +44,6 @@ def printed_indices(printed: float, grid: np.ndarray = GRID) -> list[int]:
     return hits or [grid_index(printed, grid)]
 
 
-def grid_search(cu_at, target: float, grid: np.ndarray = GRID) -> int:
-    """Smallest index i with cu_at(grid[i]) >= target (CU is monotone in bandwidth)."""
-    lo, hi = -1, len(grid)  # cu(grid[lo]) < target <= cu(grid[hi]) (virtual ends)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if cu_at(float(grid[mid])) >= target:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
 def bisect_bandwidth(cu_at, target: float, lo: float = 1e-3, hi: float = 1e5, rtol: float = 1e-4) -> float:
     """Smallest bandwidth (Gbit/s) with cu_at(bw) >= target, by bisection in log space."""
     if cu_at(hi) < target:
@@ -87,7 +76,8 @@ def required_bandwidth(
             cache[bw] = compute_utilisation(model, method, bw, assumptions)
         return cache[bw]
 
-    i = grid_search(cu_at, target_cu)
+    # smallest grid index reaching the target (CU is monotone in bandwidth); len(GRID) if none
+    i = bisect.bisect_left(range(len(GRID)), True, key=lambda j: cu_at(float(GRID[j])) >= target_cu)
     grid_bw = float(GRID[i]) if i < len(GRID) else math.inf
     if exact:
         lo = float(GRID[i - 1]) if 0 < i <= len(GRID) else 1e-3
