@@ -87,17 +87,14 @@ def test_replicas_sum():
 def test_paper_table1_ratio():
     # 1B (24 blocks), 25B tokens, seq 2048, H=100, 8 fragments, 4 bits vs bf16: the paper prints
     # 441 TB / 1.10 TB = 400.9 (1.10 is rounded to +-0.005, so the printed ratio is 399.1..402.7).
-    r = B.calc(params=1_273_598_976, layers=24, tokens=25_000_000_000, batch=256, seq_len=2048,
-               method="streaming", H=100, bits=4)
+    one_b = dict(params=1_273_598_976, layers=24, tokens=25_000_000_000, seq_len=2048)
+    r = B.calc(**one_b, batch=256, method="streaming", H=100, bits=4)
     assert r["fragments"] == 8
     assert 399.1 <= r["ratio_dp_over_this"] <= 402.7
     # the batch that would reproduce the absolute 441 TB for DP under these conventions
-    dp = B.calc(params=1_273_598_976, layers=24, tokens=25_000_000_000, batch=256, seq_len=2048,
-                method="dp")
-    b = B.batch_to_match(dp, 441)
+    b = B.batch_to_match(B.calc(**one_b, batch=256, method="dp"), 441)
     assert 70 < b < 71  # = 25e9 * 1.2736e9 * 2 / (441e12 * 2048)
-    dp2 = B.calc(params=1_273_598_976, layers=24, tokens=25_000_000_000, batch=round(b), seq_len=2048,
-                 method="dp")
+    dp2 = B.calc(**one_b, batch=round(b), method="dp")
     assert dp2["total_tb_per_replica"] == pytest.approx(441, rel=0.01)
 
 

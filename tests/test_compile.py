@@ -3,6 +3,7 @@ import importlib.util
 import os
 
 import pytest
+from conftest import tiny_config
 
 from diloco import compile as C
 from diloco.errors import ConfigError
@@ -73,10 +74,6 @@ def test_compile_streaming_step_for_v5e_2x2():
     `replica` (per chip × the chips of a replica) are exactly what `bytes_exchanged` counts.
     (Before the exchange was split, each chip's gather carried the whole payload: data-axis-size × the
     counted bytes crossed `replica`.)"""
-    import sys
-    sys.path.insert(0, "tests")
-    from conftest import tiny_config
-
     cfg = tiny_config("streaming", codec="bf16", batch_size=8)
     rep = C.report(cfg, "v5e:2x2", 1, {"inner", "send 0"})
     assert rep["chips"] == 4 and rep["mesh"] == {"replica": 2, "data": 2, "fsdp": 1}
@@ -103,12 +100,8 @@ def test_fsdp_by_the_rules_shrinks_per_chip_state():
     moments to a quarter for every leaf with an embed dim (32; all but the q/k norms and AdamW's count),
     so the state per chip is (whole − those leaves) / 4 + those leaves. With rules that shard nothing,
     fsdp 4 keeps the whole state on every chip. (Layout only: nothing is compiled.)"""
-    import sys
-
     import jax
     import numpy as np
-    sys.path.insert(0, "tests")
-    from conftest import tiny_config
 
     from diloco.trainer import Trainer
 
@@ -131,10 +124,6 @@ def test_fsdp_by_the_rules_shrinks_per_chip_state():
 def test_fsdp_by_the_rules_shrinks_the_compiled_step():
     """The compiled inner step for v5e:2x2 with data 1 × fsdp 4 (default rules) takes less than half the
     argument bytes per chip of fsdp 1 (params + AdamW moments split 4 ways)."""
-    import sys
-    sys.path.insert(0, "tests")
-    from conftest import tiny_config
-
     devs = C.tpu_devices("v5e:2x2")
     got = C.compile_trainer(tiny_config("dp", batch_size=8, **{"mesh.data": 1, "mesh.fsdp": 4}), devs,
                             {"inner"})["programs"][0]
@@ -194,10 +183,6 @@ def test_table_programs_are_the_distinct_programs_of_a_run():
     P. The table compiles all of them. DiLoCo (τ=0: blocking send, nothing in flight) has no step+send
     and no drained copies; DP only
     inner and eval."""
-    import sys
-    sys.path.insert(0, "tests")
-    from conftest import tiny_config
-
     from diloco.trainer import Trainer
 
     devs = C.tpu_devices("v5e:2x2")
@@ -501,10 +486,6 @@ def test_tpu_overlap_flags_keep_what_the_user_set(monkeypatch):
 
 
 def _two_slice(method: str, tau: int, programs: set[str], **kw):
-    import sys
-    sys.path.insert(0, "tests")
-    from conftest import tiny_config
-
     C.use_tpu_overlap_flags()
     cfg = tiny_config(method, **{"codec": "bf16", "batch_size": 8, "exchange": "in_step", "tau": tau, **kw})
     return C.report(cfg, "v5e:2x2", 2, programs)
