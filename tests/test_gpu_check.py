@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def test_dry_mode_runs_every_phase_and_cpu_matches_itself_exactly(tmp_path):
     device is then the platform's, not the check's), and the bench measured DP (1 replica) and Streaming (2)."""
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
-    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry"], cwd=ROOT, env=env, capture_output=True, text=True,
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert sorted(f.name for f in out.iterdir()) == ["bench.jsonl", "env.txt", "log.txt", "toy_compare.json",
@@ -70,7 +70,7 @@ def test_accum_device_check_dry_mode(tmp_path):
     """`gpu_check_accum.sh --dry` (~40 s): both phases run; accum_steps 2 and 4 within the bound on the CPU; the tiny
     1B stand-in refused at half its compiled peak, with gradient accumulation named, and fitting with accum_steps=2."""
     out = tmp_path / "out"
-    p = subprocess.run(["bash", "scripts/gpu_check_accum.sh", "--dry"], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run(["bash", "scripts/gpu_check_accum.sh", "--dry"], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, OUT=str(out), PYTHON=sys.executable), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     log = (out / "log.txt").read_text()
@@ -87,7 +87,7 @@ def test_accum_device_check_dry_mode(tmp_path):
 def lock_pins(*files: str) -> dict[str, str]:
     pins = {}
     for f in files:
-        for line in (ROOT / f).read_text().splitlines():
+        for line in (REPO / f).read_text().splitlines():
             if "==" in line and not line.startswith("#"):
                 name, version = line.split("#")[0].strip().split("==")
                 pins[name.lower().replace("_", "-")] = version
@@ -101,7 +101,7 @@ def test_cuda12_install_resolves_within_the_locks(tmp_path):
     report = tmp_path / "report.json"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                         "--report", str(report), "-c", "requirements.lock", "-c", "requirements-cuda12.lock",
-                        ".[cuda12]"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        ".[cuda12]"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     got = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
            for i in json.loads(report.read_text())["install"]}
@@ -195,7 +195,7 @@ def test_remat_estimate_against_compiled_peaks_and_the_choice_it_makes():
     names = {"DP": "dp", "DiLoCo": "diloco_h30", "Streaming": "streaming_ovl_fp4_h30"}
     ratios = {}
     for table in ("results/gpu/memory.csv", "results/pod/memory.csv"):
-        for row in csv.DictReader((ROOT / table).open()):
+        for row in csv.DictReader((REPO / table).open()):
             if not row["inner_peak_gib"]:
                 continue  # a row whose inner step ran out of memory
             cfg = c4_scaling.get_config(f"{row['scale']},{names[row['method']]}")
@@ -235,7 +235,6 @@ def test_precompile_reports_each_programs_peak_bytes():
 def test_matmul_precision_is_resolved_recorded_and_applied():
     import jax
 
-    from conftest import tiny_config
     from diloco import resolve
 
     cfg = tiny_config("dp")
@@ -300,7 +299,7 @@ def test_gradient_accumulation_gives_the_whole_batchs_step_on_eight_devices():
     parameter within 2e-6 (float32 summation order; dp data8 measured 1.9e-6, 4 ulp, and 1.9e-7). accum_steps=1 is the unaccumulated program itself
     (tests/test_same_numbers.py's hashes)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", ACCUM], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", ACCUM], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     import ast
 
@@ -314,8 +313,6 @@ def test_gradient_accumulation_gives_the_whole_batchs_step_on_eight_devices():
 
 
 def test_accum_steps_must_split_the_batch_in_one_line():
-    from conftest import tiny_config
-
     from diloco.errors import ConfigError
     from diloco.trainer import check_accum
 
