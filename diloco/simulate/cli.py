@@ -202,8 +202,7 @@ def build_model(args) -> Model:
     if step is None:
         raise ConfigError("step_time", f"--model {name} needs --step-time SECONDS (or --tokens-per-step/--chips/--chip-tflops)")
     m = scale_model(name, step, args.vocab_size)
-    m = dataclasses.replace(m, layers=args.layers or m.layers, params=params or m.params)
-    return m
+    return dataclasses.replace(m, layers=args.layers or m.layers, params=params or m.params)
 
 
 def step_time(args, params: float | None) -> float | None:
