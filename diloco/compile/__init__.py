@@ -23,41 +23,28 @@ the command line. The names below are the
 package's interface (`from diloco.compile import …`, `diloco.compile.main`).
 """
 
-from diloco.compile.aot import (CHIP_HBM_BYTES, GiB, INSTALL_HINT, compile_one, compile_trainer, eval_batch_sharding,
-                                eval_param_sharding, model_flops_per_step, per_chip_bytes, report, text_report,
-                                tpu_devices, trainer_programs)
+from diloco.compile.aot import GiB, compile_trainer, per_chip_bytes, report, tpu_devices, trainer_programs
 from diloco.compile.cli import main
-from diloco.compile.gpu import (GPU_OVERLAP_FLAGS, GPU_PEAK_TFLOPS, GPU_SPECS, exchange_window, gpu_devices,
-                                gpu_hbm_bytes, gpu_usable_bytes, is_gpu_topology, use_gpu_overlap_flags)
-from diloco.compile.hlo import (annotate_overlap, computation_flops, custom_calls, entry_flops, hlo_computations, instruction_runs,
-                                op_flops, parse_collectives, scheduled_overlap, shape_bytes, slice_axes, while_trips)
-from diloco.compile.overlap import (CHIP_PEAK_TFLOPS, TPU_OVERLAP_FLAGS, exchange_collectives, overlap_report,
-                                    overlapping, parse_bandwidth, predict_cu, use_tpu_overlap_flags)
-from diloco.compile.paper_table import (COMPILED_BEFORE, CSV_FIELDS, compiled_kind, PAPER_METHODS, PAPER_SCALES, PEAK_FLOPS, SLICES,
-                                        TABLE_HEADROOM, TABLE_MFU, compile_row, compiled_with, device_hbm,
-                                        devices_per_chip, estimate_bytes, paper_config, paper_table, paper_table_main,
-                                        parse_peaks, read_table, row_id, slice_devices, table_programs, table_row,
-                                        write_table)
+from diloco.compile.gpu import use_gpu_overlap_flags
+from diloco.compile.hlo import (annotate_overlap, custom_calls, hlo_computations, parse_collectives, scheduled_overlap,
+                                shape_bytes)
+from diloco.compile.overlap import TPU_OVERLAP_FLAGS, parse_bandwidth, predict_cu, use_tpu_overlap_flags
+from diloco.compile.paper_table import (COMPILED_BEFORE, PAPER_METHODS, PAPER_SCALES, SLICES, TABLE_HEADROOM,
+                                        compiled_kind, compiled_with, paper_config, paper_table, parse_peaks,
+                                        read_table, row_id, table_programs, write_table)
 
 __all__ = [
     # aot
-    "CHIP_HBM_BYTES", "GiB", "INSTALL_HINT", "compile_one", "compile_trainer", "eval_batch_sharding",
-    "eval_param_sharding", "model_flops_per_step", "per_chip_bytes", "report", "text_report", "tpu_devices",
-    "trainer_programs",
+    "GiB", "compile_trainer", "per_chip_bytes", "report", "tpu_devices", "trainer_programs",
     # cli
     "main",
     # gpu
-    "GPU_OVERLAP_FLAGS", "GPU_PEAK_TFLOPS", "GPU_SPECS", "exchange_window", "gpu_devices", "gpu_hbm_bytes",
-    "gpu_usable_bytes", "is_gpu_topology", "use_gpu_overlap_flags",
+    "use_gpu_overlap_flags",
     # hlo
-    "annotate_overlap", "computation_flops", "custom_calls", "entry_flops", "hlo_computations", "instruction_runs", "op_flops",
-    "parse_collectives", "scheduled_overlap", "shape_bytes", "slice_axes", "while_trips",
+    "annotate_overlap", "custom_calls", "hlo_computations", "parse_collectives", "scheduled_overlap", "shape_bytes",
     # overlap
-    "CHIP_PEAK_TFLOPS", "TPU_OVERLAP_FLAGS", "exchange_collectives", "overlap_report", "overlapping",
-    "parse_bandwidth", "predict_cu", "use_tpu_overlap_flags",
+    "TPU_OVERLAP_FLAGS", "parse_bandwidth", "predict_cu", "use_tpu_overlap_flags",
     # paper_table
-    "COMPILED_BEFORE", "CSV_FIELDS", "compiled_kind", "PAPER_METHODS", "PAPER_SCALES", "PEAK_FLOPS", "SLICES", "TABLE_HEADROOM",
-    "TABLE_MFU", "compile_row", "compiled_with", "device_hbm", "devices_per_chip", "estimate_bytes", "paper_config",
-    "paper_table", "paper_table_main", "parse_peaks", "read_table", "row_id", "slice_devices", "table_programs", "table_row",
-    "write_table",
+    "COMPILED_BEFORE", "PAPER_METHODS", "PAPER_SCALES", "SLICES", "TABLE_HEADROOM", "compiled_kind", "compiled_with",
+    "paper_config", "paper_table", "parse_peaks", "read_table", "row_id", "table_programs", "write_table",
 ]
