@@ -375,9 +375,12 @@ def run_learner(cfg, args: argparse.Namespace) -> dict:
         raise ConfigError("learner", f"{cfg.learner}: --config.sync={cfg.sync} makes this process one independent "
                                      f"learner; give its index, --config.learner=m (0 … replicas-1 = {cfg.replicas - 1})")
     ca = None if args.tls_ca is None else common.read_file(args.tls_ca, "tls_ca")
-    pair = common.read_tls(args.tls_cert, args.tls_key, "", insecure=True)  # a client certificate (mTLS), or None
-    if pair is not None and ca is None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("tls_cert", "give both --tls_cert and --tls_key (PEM files), or neither")
+    if args.tls_cert is not None and ca is None:
         raise ConfigError("tls_cert", "a client certificate is presented over TLS only: give --tls_ca too")
+    pair = None if args.tls_cert is None else (common.read_file(args.tls_key, "tls_key"),
+                                                common.read_file(args.tls_cert, "tls_cert"))
     client = SyncClient(cfg.sync, common.read_token(args.token_file), cfg.learner, common.fingerprint(cfg),
                         retry_for=args.retry_for, tls_ca=ca, tls_pair=pair)
     return Learner(cfg, cfg.learner, client, args.workdir, args.sleep).train()
