@@ -3,6 +3,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pandas as pd
 
 from conftest import tiny_config
 from diloco.train import Counters, LossWindow, train
@@ -52,9 +53,9 @@ def test_every_metrics_row_carries_per_replica_losses(tmp_path):
         assert abs(np.mean(r["train_loss_replicas"]) - r["train_loss"]) <= 1e-6 * r["train_loss"]
     assert any(r["train_loss_replicas"][0] != r["train_loss_replicas"][1] for r in rows)
     from diloco.report.plots import replica_losses
-    from diloco.report.records import metrics
+    from diloco.rundir import read_jsonl
 
-    curves = replica_losses(metrics(tmp_path / "run"))
+    curves = replica_losses(pd.DataFrame(read_jsonl(tmp_path / "run" / "metrics.jsonl")))
     assert len(curves) == 2 and curves[1].tolist() == [r["train_loss_replicas"][1] for r in rows]
     events = b"".join(p.read_bytes() for p in (tmp_path / "run" / "tb").glob("events*"))
     if events:  # tensorboardX installed: the tags are plain strings in the event records
