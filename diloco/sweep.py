@@ -30,7 +30,7 @@ from typing import Any
 
 from diloco.config import REPO_ROOT, check_points, make_importable, repo_path
 from diloco.errors import ConfigError
-from diloco.pointlock import LOCK, acquire_lock, release_lock
+from diloco.pointlock import acquire_lock, release_lock
 from diloco.rundir import flatten, require_folder
 from diloco.sweep_status import read_json
 from diloco.tpu import sweep_launch

@@ -11,6 +11,7 @@ import pytest
 
 from diloco import sweep as sw
 from diloco.errors import ConfigError
+from diloco.pointlock import LOCK
 from diloco.rundir import append_jsonl, atomic_write_json
 
 FAST = [f"--config.{k}={v}" for k, v in {"steps": 4, "seq_len": 32, "batch_size": 4, "log_every": 2, "eval_every": 2,
@@ -110,14 +111,14 @@ def test_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
     assert sw.acquire_lock(wd)
     assert not sw.acquire_lock(wd)  # held by a live process (us)
     sw.release_lock(wd)
-    assert not (wd / sw.LOCK).exists()
+    assert not (wd / LOCK).exists()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (wd / sw.LOCK).write_text(f"{socket.gethostname()}:{dead.pid}")
+    (wd / LOCK).write_text(f"{socket.gethostname()}:{dead.pid}")
     assert sw.acquire_lock(wd)  # the holder is gone: stale
-    assert (wd / sw.LOCK).read_text().endswith(f":{os.getpid()}")
+    assert (wd / LOCK).read_text().endswith(f":{os.getpid()}")
     sw.release_lock(wd)
-    (wd / sw.LOCK).write_text("another-host:1")
+    (wd / LOCK).write_text("another-host:1")
     assert not sw.acquire_lock(wd)  # cannot tell whether a process on another host lives: leave it
 
 
@@ -136,7 +137,7 @@ def test_failure_is_recorded_others_finish_and_resume_skips(tmp_path):
     assert failed["returncode"] == 2 and "tau" in failed["error_tail"] and "diloco" in failed["command"]
     assert not (bad / "summary.json").exists()
     assert json.loads((good / "point.json").read_text())["spec"] == "experiments/c4_scaling.py:tiny,dp"
-    assert not (good / sw.LOCK).exists() and not (bad / sw.LOCK).exists()
+    assert not (good / LOCK).exists() and not (bad / LOCK).exists()
     mtime = (good / "summary.json").stat().st_mtime_ns
     again = sw.run_sweep(s, root, workers=1, extra=FAST, quiet=True, only="tiny+dp")
     assert [r["status"] for r in again] == ["skipped"]
@@ -156,7 +157,7 @@ def test_a_locked_point_is_not_run(tmp_path):
     s = sw.load_sweep(str(f))
     wd = tmp_path / "root" / "t" / "default"
     wd.mkdir(parents=True)
-    (wd / sw.LOCK).write_text(f"{socket.gethostname()}:{os.getppid()}")  # a live process holds it
+    (wd / LOCK).write_text(f"{socket.gethostname()}:{os.getppid()}")  # a live process holds it
     assert [r["status"] for r in sw.run_sweep(s, tmp_path / "root", quiet=True)] == ["locked"]
     assert not (wd / "config.json").exists()
 

@@ -194,7 +194,7 @@ def test_downstream_items_outside_the_shipped_tree_are_refused(tmp_path, capsys,
     for data_dir, says in [("", "is unset"), ("gs://bkt/eval", "is on gs://"), (str(tmp_path), "is not a folder of "
                            "the shipped tree"), ("no/such/folder", "is not a folder of the shipped tree")]:
         err = _refused(capsys, tmp_path, recorder, [*argv, "--set", f"downstream.data_dir={data_dir}"])
-        assert f"downstream.data_dir: point default: downstream.tasks='hellaswag'" in err and says in err, err
+        assert "downstream.data_dir: point default: downstream.tasks='hellaswag'" in err and says in err, err
         assert "`diloco eval`" in err
     import ml_collections
 
@@ -807,7 +807,7 @@ def test_up_start_status_logs_stop_down_on_the_standin_run_every_line_of_the_lau
     r = _sh(script, "start", env=env)  # the agents started at boot stay; start is idempotent
     assert r.returncode == 0 and r.stdout.count("the agent already runs") == 2, r.stdout
     standin.wait_for(lambda: S.collect(base)["points"][0]["state"] == "running" and
-                     gcs.objects(f"runs/life/steps=60/metrics.jsonl"), timeout=600, what="point 1 running")
+                     gcs.objects("runs/life/steps=60/metrics.jsonl"), timeout=600, what="point 1 running")
     r = _sh(script, "status", env=env)
     assert r.returncode == 2 and "queued resource pod-1: ACTIVE" in r.stdout and "running" in r.stdout
     standin.fail("queued-resources", "describe", "value(state.state)", times=3)  # the API fails 3 times running
