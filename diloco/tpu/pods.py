@@ -38,14 +38,7 @@ def where(plan: dict) -> list[str]:
 
 def describe(qr: str, plan: dict, run=subprocess.run) -> dict | None:
     """The queued resource as the API shows it (gcloud … describe --format=json), None when it does not exist."""
-    r = run(["gcloud", "compute", "tpus", "queued-resources", "describe", qr, *where(plan), "--format=json"],
-            capture_output=True, text=True)
-    if r.returncode != 0:
-        return None
-    try:
-        return json.loads(r.stdout)
-    except ValueError:
-        return None
+    return gcloud_json(["compute", "tpus", "queued-resources", "describe", qr, *where(plan)], run)
 
 
 def shape(desc: dict) -> tuple[str, int]:
@@ -122,8 +115,7 @@ def check_nodes(plan: dict, desc: dict | None, run=subprocess.run) -> str:
     """'' or the refusal: a node of this launch's name exists while its queued resource does not."""
     if desc is not None:
         return ""
-    nodes = gcloud_json(["compute", "tpus", "tpu-vm", "list", f"--zone={plan['zone']}",
-                         *where(plan)[1:]], run) or []
+    nodes = gcloud_json(["compute", "tpus", "tpu-vm", "list", *where(plan)], run) or []
     have = {n.get("name", "").rsplit("/", 1)[-1] for n in nodes}
     clash = [n for n in node_names(plan) if n in have]
     if not clash:

@@ -7,13 +7,12 @@
         (`gcloud alpha compute tpus queued-resources create` also takes --best-effort: GA gcloud has no
         such flag, so the GA command refuses it here too)
     gcloud compute tpus queued-resources describe NAME --zone=Z [--format=json|yaml|value(state.state)]
-    gcloud compute tpus queued-resources list [--zone=Z] [--format=…]
     gcloud compute tpus queued-resources delete NAME --zone=Z [--force] [--quiet] [--async]
     gcloud compute tpus queued-resources ssh NAME --zone=Z [--node=all|i|…] [--worker=all|j|…] --command=CMD
         [--batch-size=N|all] [--internal-ip | --tunnel-through-iap]
     gcloud storage cp [-r] [-n] SRC… DST          (local ↔ gs://, gs:// → gs://, `-` = stdin / stdout)
     gcloud storage cat URL…
-    gcloud storage ls [URL…]                      (exit 1, "One or more URLs matched no objects.")
+    gcloud storage ls URL…                        (exit 1, "One or more URLs matched no objects.")
     gcloud storage rm [-r] URL…
     gcloud standin kill-host|repair-host QR SLICE WORKER | set-state QR STATE | processes QR
 
@@ -150,19 +149,6 @@ def queued_resources(cloud: Cloud, verb: str, args: list[str], alpha: bool) -> i
         _check_format(a.format)
         sys.stdout.write(_render([cloud.describe(a.name, a.zone)], a.format, "yaml"))
         return 0
-    if verb == "list":
-        p = _with_globals(Parser(cmd), fmt=True)
-        p.add_argument("--zone")
-        a = p.parse_args(args)
-        _check_format(a.format)
-        objs = [cloud.describe(n) for n in cloud.names() if a.zone in (None, cloud.resource(n)["zone"])]
-        if a.format:
-            sys.stdout.write(_render(objs, a.format, "table"))
-        elif objs:
-            sys.stdout.write(_table(cloud, objs))
-        else:
-            sys.stderr.write("Listed 0 items.\n")
-        return 0
     if verb == "delete":
         p = _with_globals(Parser(cmd))
         p.add_argument("name")
@@ -188,17 +174,7 @@ def queued_resources(cloud: Cloud, verb: str, args: list[str], alpha: bool) -> i
         route.add_argument("--tunnel-through-iap", action="store_true")
         a = p.parse_args(args)  # every chosen host runs at once (--batch-size only limits a real client)
         return cloud.ssh(a.name.split("@")[-1], a.zone, a.node, a.worker, a.command)
-    raise Usage(f"unknown command 'queued-resources {verb}'; the stand-in implements create, describe, list, "
-                "delete, ssh")
-
-
-def _table(cloud: Cloud, objs: list[dict]) -> str:
-    rows = [["NAME", "ZONE", "NODE_COUNT", "ACCELERATOR_TYPE", "STATE"]]
-    for o in objs:
-        r = cloud.resource(o["name"].rsplit("/", 1)[1])
-        rows.append([r["name"], r["zone"], str(len(r["nodeIds"])), r["acceleratorType"], r["state"]])
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
+    raise Usage(f"unknown command 'queued-resources {verb}'; the stand-in implements create, describe, delete, ssh")
 
 
 # ---------------------------------------------------------------------------------------------- storage
@@ -274,12 +250,6 @@ class Api:
 
         self._call("POST", f"{self._o(src_bucket, src)}/rewriteTo/b/{dst_bucket}/o/{urllib.parse.quote(dst, safe='')}",
                    data=b"{}")
-
-    def buckets(self) -> list[str]:
-        return [b["name"] for b in json.loads(self._call("GET", "b", {"project": "standin"})).get("items") or []]
-
-    def delete_bucket(self, bucket: str) -> None:
-        self._call("DELETE", f"b/{bucket}")
 
 
 def _client(cloud: Cloud) -> Api:
@@ -375,13 +345,9 @@ def storage(cloud: Cloud, verb: str, args: list[str]) -> int:
         return 0
     if verb == "ls":
         p = _with_globals(Parser(cmd))
-        p.add_argument("urls", nargs="*")
+        p.add_argument("urls", nargs="+")
         a = p.parse_args(args)
         client = _client(cloud)
-        if not a.urls:
-            for b in client.buckets():
-                print(f"gs://{b}/")
-            return 0
         lines = []
         for url in a.urls:
             lines += _ls(client, url)
@@ -397,16 +363,12 @@ def storage(cloud: Cloud, verb: str, args: list[str]) -> int:
         client = _client(cloud)
         missing = []
         for url in a.urls:
-            bucket, path = _split(url)
             objs = _objects(client, url, a.recursive)
-            if not objs and not (a.recursive and not path):
+            if not objs:
                 missing.append(url)
             for b, name, _ in objs:
                 client.delete(b, name)
                 sys.stderr.write(f"Removing gs://{b}/{name}...\n")
-            if a.recursive and not path:  # rm -r gs://bucket removes the bucket as well
-                client.delete_bucket(bucket)
-                sys.stderr.write(f"Removing gs://{bucket}/...\n")
         if missing:
             raise NoMatch(missing)
         return 0
