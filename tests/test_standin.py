@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from diloco.tpu import accelerators
 from standin.cloud import GcloudError, accelerator_hosts, own_accelerator_hosts
 from standin.secrets import find_secrets
 
@@ -53,7 +54,6 @@ def test_accelerator_names_give_the_hosts_of_one_slice():
 
 
 def test_the_stand_ins_own_accelerator_rule_agrees_with_the_launchers_table():
-    accelerators = pytest.importorskip("diloco.tpu.accelerators")
     for gen, sizes in (("v4", range(2, 8400, 2)), ("v5p", range(2, 12400, 2)), ("v5litepod", range(300)),
                        ("v6e", range(300))):
         for n in [*sizes, 7, 9, 15]:

@@ -329,9 +329,8 @@ class Pod:
 
     def __init__(self, plan: Path, tmp: Path):
         self.plan, self.tmp = plan, tmp
-        self.base = Path(read_json(plan)["base"])
         p = read_json(plan)
-        self.hosts = A.hosts(p)
+        self.base, self.hosts = Path(p["base"]), A.hosts(p)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, *hosts, **extra_env):

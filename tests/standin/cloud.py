@@ -55,12 +55,10 @@ class GcloudError(Exception):
 
 def accelerator_hosts(accelerator_type: str) -> tuple[int, int]:
     """(chips, hosts) of one slice of a type Cloud TPU accepts: diloco.tpu.accelerators' table (the
-    launcher's source of truth), or this module's own rule where that is not importable."""
-    try:
-        from diloco.errors import ConfigError
-        from diloco.tpu.accelerators import parse
-    except ImportError:
-        return own_accelerator_hosts(accelerator_type)
+    launcher's source of truth; own_accelerator_hosts is the tests' independent check of it)."""
+    from diloco.errors import ConfigError
+    from diloco.tpu.accelerators import parse
+
     try:
         s = parse(accelerator_type)
     except ConfigError as e:
