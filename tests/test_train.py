@@ -14,7 +14,7 @@ from diloco.train import train
 from diloco.trainer import Trainer
 
 
-def run_steps(cfg, batches, tmp_path):
+def run_steps(cfg, batches):
     """Drive the trainer's own jitted pieces with given batches; returns (trainer, state, history)."""
     tr = Trainer(cfg)
     state = tr.fresh_state()
@@ -33,33 +33,38 @@ def batches(n, B=4, L=32, seed=0):
     return [rng.integers(2, 200, size=(B, L), dtype=np.int32) for _ in range(n)]
 
 
+def fake_devices(n: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a fresh Python that sees `n` fake CPU devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=900)
+
+
 def leaves(t):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(t)]
 
 
-def test_diloco_M1_H1_lr1_mom0_equals_plain_training(tmp_path):
+def test_diloco_M1_H1_lr1_mom0_equals_plain_training():
     bs = batches(5)
-    dp, s_dp, _ = run_steps(tiny_config("dp", replicas=1), bs, tmp_path / "a")
-    dl, s_dl, _ = run_steps(tiny_config("diloco", replicas=1, H=1, **{"outer.lr": 1.0, "outer.momentum": 0.0}),
-                            bs, tmp_path / "b")
+    dp, s_dp, _ = run_steps(tiny_config("dp", replicas=1), bs)
+    dl, s_dl, _ = run_steps(tiny_config("diloco", replicas=1, H=1, **{"outer.lr": 1.0, "outer.momentum": 0.0}), bs)
     for a, b in zip(leaves(dp.eval_params(s_dp)), leaves(dl.eval_params(s_dl))):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
 
 
-def test_streaming_P1_tau0_alpha0_nocodec_equals_diloco(tmp_path):
+def test_streaming_P1_tau0_alpha0_nocodec_equals_diloco():
     bs = batches(6)
-    a, sa, _ = run_steps(tiny_config("diloco", H=3), bs, tmp_path / "a")
+    a, sa, _ = run_steps(tiny_config("diloco", H=3), bs)
     b, sb, _ = run_steps(tiny_config("streaming", H=3, layers_per_fragment=0, fragments=1, tau=0, alpha=0.0,
-                                     codec="none"), bs, tmp_path / "b")
+                                     codec="none"), bs)
     for x, y in zip(leaves(sa), leaves(sb)):
         np.testing.assert_array_equal(x, y)
 
 
-def test_two_replicas_on_identical_data_equal_one(tmp_path):
+def test_two_replicas_on_identical_data_equal_one():
     half = batches(6, B=2)
-    one, s1, _ = run_steps(tiny_config("diloco", H=2, replicas=1, batch_size=2), half, tmp_path / "a")
-    two, s2, _ = run_steps(tiny_config("diloco", H=2, replicas=2, batch_size=4),
-                           [np.concatenate([b, b]) for b in half], tmp_path / "b")
+    one, s1, _ = run_steps(tiny_config("diloco", H=2, replicas=1, batch_size=2), half)
+    two, s2, _ = run_steps(tiny_config("diloco", H=2, replicas=2, batch_size=4), [np.concatenate([b, b]) for b in half])
     for x, y in zip(leaves(one.eval_params(s1)), leaves(two.eval_params(s2))):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
     r = leaves(s2.params)
@@ -67,10 +72,10 @@ def test_two_replicas_on_identical_data_equal_one(tmp_path):
         np.testing.assert_array_equal(x[0], x[1])
 
 
-def test_after_every_apply_replicas_hold_the_outer_fragment(tmp_path):
+def test_after_every_apply_replicas_hold_the_outer_fragment():
     """α = 0: right after fragment p is applied, every replica's fragment p equals θ^g_p."""
     cfg = tiny_config("streaming", H=4, layers_per_fragment=1, tau=1, alpha=0.0, codec="e3m0")
-    tr, _, hist = run_steps(cfg, batches(13), tmp_path)
+    tr, _, hist = run_steps(cfg, batches(13))
     fr = tr.sync.frags
     applied = 0
     for t, st in enumerate(hist, start=1):
@@ -125,11 +130,9 @@ def test_fifty_steps_on_real_text_lower_eval_loss(tmp_path):
     first = rows[0]["train_loss"]
     assert s["final_eval_loss"] < 0.7 * np.log(256), s["final_eval_loss"]  # well below a uniform byte model
     assert rows[-1]["train_loss"] < first - 1.0
-    for k in ("step", "tokens", "train_loss", "lr", "bytes_exchanged", "seconds"):
-        assert k in rows[0]
-    for k in ("method", "steps", "tokens", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync",
-              "params", "params_sha256", "wall_seconds", "versions", "resolved"):
-        assert k in s
+    assert {"step", "tokens", "train_loss", "lr", "bytes_exchanged", "seconds"} <= rows[0].keys()
+    assert {"method", "steps", "tokens", "final_eval_loss", "bytes_exchanged_total", "bytes_peak_per_sync",
+            "params", "params_sha256", "wall_seconds", "versions", "resolved"} <= s.keys()
     # every `auto` as this run resolved it (diloco/resolve.py), with its reasons
     assert {k: s["resolved"][k] for k in ("platform", "attention", "remat", "scan")} == {
         "platform": "cpu", "attention": "xla", "remat": "none", "scan": False}
@@ -201,8 +204,7 @@ for x, y in zip(jax.tree_util.tree_leaves(out[0][0]), jax.tree_util.tree_leaves(
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 print("OK")
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
+    r = fake_devices(8, script)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     assert "'replica': 2, 'data': 4" in r.stdout
 
@@ -286,9 +288,7 @@ for x, y in zip(jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 print("ok", ce_a[-2:], ce_b[-2:], sent_a)
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ck")], capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=900)
+    r = fake_devices(8, script, str(tmp_path / "ck"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ok" in r.stdout
 
@@ -323,8 +323,7 @@ for name, n, want, pad in (("none", 4 * 300, 4, 4 * 300), ("bf16", 4 * 300 + 3, 
         assert got.addressable_shards[0].data.size * want == n  # the average stays split over the chips
 print("ok")
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    r = fake_devices(8, script)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
@@ -380,8 +379,7 @@ for name, block, chips in (("none", 4, True), ("bf16", 4, True), ("e3m0", 4, Tru
         assert within_replica(flat.lower(x).compile().as_text())[1] > 0  # the canonical vector is laid out by moves
 print("ok")
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    r = fake_devices(8, script)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
@@ -494,9 +492,7 @@ def placement_failures():
     """One subprocess with 4 fake CPU devices runs the blocking reference of each rule and schedule once and
     every placement against it; {"rule placement": [failures]}."""
     kws = RULES
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT, json.dumps(kws)], capture_output=True,
-                       text=True, cwd=REPO, env=env)
+    r = fake_devices(4, PLACEMENT_SCRIPT, json.dumps(kws))
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -523,8 +519,7 @@ def test_comm_devices_the_mesh_cannot_use_fall_back_to_the_plans_placement(capsy
         "d = jax.devices()\n"
         "tr = Trainer(tiny_config('streaming', tau=1, batch_size=8), devices=d[:2], comm_devices=d[1:3])\n"
         "print(tr.driver.exchange, '|', tr.plan.why['exchange'])\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
+    r = fake_devices(4, script)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("blocking |") and "must not be compute devices" in r.stdout, r.stdout
     assert "will not overlap the inner steps" in r.stderr
@@ -592,8 +587,7 @@ moments = [x for x in jax.tree_util.tree_leaves(st.opt) if x.ndim == 3 and x.sha
 assert moments and all(tuple(x.sharding.spec) == ("replica", None, "fsdp") for x in moments), moments
 print("ok")
 """
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    r = fake_devices(8, script)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
